@@ -1,0 +1,173 @@
+"""``python manage.py ingest``: vLLM KV events over ZeroMQ into the index.
+
+A thin shell: it wires the receiver, the shard pool and one ``EventApplier`` per worker (all in
+the pure core), and does the housekeeping that needs Django: registering the pods it sees,
+sharing its counters, serving Prometheus metrics. SIGTERM/SIGINT drain the queues and exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+
+import redis
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from prometheus_client import CollectorRegistry, start_http_server
+
+from ingest.applier import EventApplier
+from ingest.pool import Receiver, ShardPool, decode_and_apply
+from ingest.publish import instance_id, publish_snapshot, withdraw_snapshot
+from ingest.stats import IngestStats, IngestStatsCollector
+from scoring.index.base import IndexUnavailable
+from scoring.selectors import service_config
+from scoring.services import get_index, record_pods_seen
+
+log = logging.getLogger("ingest")
+
+
+class Command(BaseCommand):
+    help = "Consume vLLM KV events (ZeroMQ SUB) into the KV-block index."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--bind",
+            action="append",
+            default=[],
+            metavar="ENDPOINT",
+            help="Bind a SUB socket here (repeatable). Default tcp://*:5557 when no --connect is given.",
+        )
+        parser.add_argument(
+            "--connect",
+            action="append",
+            default=[],
+            metavar="ENDPOINT",
+            help="Connect a SUB socket to an engine's PUB endpoint (repeatable).",
+        )
+        parser.add_argument("--topic", default="kv@", help="Topic prefix to subscribe to (default kv@).")
+        parser.add_argument(
+            "--workers", type=int, default=4, help="Worker threads; a pod always maps to one."
+        )
+        parser.add_argument(
+            "--queue-size", type=int, default=10_000, help="Messages queued per worker at most."
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="Serve Prometheus metrics of this process on this port (default: none).",
+        )
+        parser.add_argument(
+            "--housekeeping-interval",
+            type=float,
+            default=1.0,
+            help="Seconds between registry updates and stats publication (default 1).",
+        )
+
+    def handle(self, *args, **options) -> None:
+        bind = options["bind"] or ([] if options["connect"] else ["tcp://*:5557"])
+        stats = IngestStats()
+        index = get_index()
+        wait_for_index(index, timeout=60.0)
+        pool = ShardPool(
+            workers=options["workers"],
+            handler_factory=lambda _: decode_and_apply(
+                EventApplier(index, config=service_config, stats=stats).apply, stats
+            ),
+            queue_size=options["queue_size"],
+            stats=stats,
+        )
+        receiver = Receiver(
+            pool=pool, stats=stats, bind=bind, connect=options["connect"], topic=options["topic"]
+        )
+        if options["metrics_port"] is not None:
+            registry = CollectorRegistry()
+            registry.register(IngestStatsCollector(stats))
+            start_http_server(options["metrics_port"], registry=registry)
+
+        stopping = threading.Event()
+
+        def on_signal(signum: int, _frame) -> None:
+            log.info("received %s: draining", signal.Signals(signum).name)
+            stopping.set()
+            receiver.stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+        pool.start()
+        receiving = threading.Thread(target=receiver.run, name="ingest-receiver", daemon=True)
+        receiving.start()
+        endpoints = ", ".join(
+            [*(f"bind {e}" for e in receiver.bound), *(f"connect {e}" for e in options["connect"])]
+        )
+        self.stdout.write(
+            f"ingest: {endpoints}; topic {options['topic']!r}; {options['workers']} workers", ending="\n"
+        )
+        self.stdout.flush()
+
+        housekeeping = Housekeeping(stats)
+        while not stopping.wait(options["housekeeping_interval"]):
+            housekeeping.run_once()
+        receiving.join(5)
+        pool.drain_and_stop()
+        housekeeping.run_once()
+        housekeeping.close()
+        self.stdout.write("ingest: stopped", ending="\n")
+
+
+def wait_for_index(index, *, timeout: float) -> None:
+    """Wait until the index answers (a server started alongside may still be coming up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            index.ping()
+            return
+        except IndexUnavailable as e:
+            if time.monotonic() > deadline:
+                raise CommandError(f"the index is unreachable: {e}") from e
+            log.info("waiting for the index: %s", e)
+            time.sleep(0.5)
+
+
+class Housekeeping:
+    """Once a second: register pods seen since last time and publish the counters."""
+
+    def __init__(self, stats: IngestStats) -> None:
+        self.stats = stats
+        self._registered: dict[str, float] = {}
+        self._instance = instance_id()
+        self._redis = (
+            redis.Redis.from_url(settings.REDIS_URL) if settings.KVCACHE_INDEX_BACKEND == "redis" else None
+        )
+
+    def run_once(self) -> None:
+        try:
+            self._register_pods()
+        except Exception:
+            log.exception("could not update the pod registry")
+        if self._redis is not None:
+            try:
+                publish_snapshot(self._redis, self.stats.snapshot(), instance=self._instance)
+            except redis.RedisError as e:
+                log.warning("could not publish ingest stats: %s", e)
+
+    def _register_pods(self) -> None:
+        seen = {}
+        for s in self.stats.streams():
+            if self._registered.get(s.pod, -1.0) < s.last_event_at:
+                first, last = seen.get(s.pod, (s.model, s.first_event_at, s.last_event_at))[1:]
+                seen[s.pod] = (s.model, min(first, s.first_event_at), max(last, s.last_event_at))
+        if seen:
+            record_pods_seen((pod, model, first, last) for pod, (model, first, last) in seen.items())
+            for pod, (_, _, last) in seen.items():
+                self._registered[pod] = last
+
+    def close(self) -> None:
+        if self._redis is not None:
+            with contextlib.suppress(redis.RedisError):
+                withdraw_snapshot(self._redis, instance=self._instance)
+            self._redis.close()

@@ -1,0 +1,205 @@
+"""The ZMQ shard pool: receive KV-event messages and hand each to the worker its pod hashes to.
+
+``fnv1a_32(pod) % workers`` routes every message of one pod to the same worker, so a pod's events
+are applied in order while different pods proceed in parallel (the reference does the same).
+Queues are bounded: when a worker falls behind, the receiver says so (a counter and a log line)
+and waits for room, so memory stays bounded and ZeroMQ's own high-water mark applies upstream
+(a publisher past it drops, which the seq numbers then show as gaps).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from ingest.events import DecodeError, decode_batch, parse_seq, parse_topic
+from ingest.stats import IngestStats
+
+log = logging.getLogger(__name__)
+
+_FNV_OFFSET = 0x811C9DC5
+_FNV_PRIME = 0x01000193
+
+
+def fnv1a_32(data: bytes) -> int:
+    """32-bit FNV-1a, as the reference uses to shard pods over workers."""
+    h = _FNV_OFFSET
+    for byte in data:
+        h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFF
+    return h
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One message as the receiver hands it to a worker: framing checked, payload not decoded."""
+
+    pod: str
+    model: str
+    seq: int
+    payload: bytes
+    received_at: float
+
+
+Handler = Callable[[Received], None]
+_STOP = object()
+
+
+class ShardPool:
+    """``workers`` threads, each draining its own bounded queue through ``handler``."""
+
+    def __init__(
+        self, *, workers: int, handler_factory: Callable[[int], Handler], queue_size: int, stats: IngestStats
+    ):
+        if workers < 1:
+            raise ValueError("workers must be at least 1")
+        self.stats = stats
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=queue_size) for _ in range(workers)]
+        self._handlers = [handler_factory(i) for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"ingest-worker-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        self._last_full_log = 0.0
+        self._shard_of: dict[str, int] = {}
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def shard(self, pod: str) -> int:
+        found = self._shard_of.get(pod)
+        if found is None:
+            found = self._shard_of[pod] = fnv1a_32(pod.encode()) % len(self.queues)
+        return found
+
+    def submit(self, item: Received) -> None:
+        """Queue ``item`` for its pod's worker; waits (and says so) when that worker is behind."""
+        worker = self.shard(item.pod)
+        q = self.queues[worker]
+        try:
+            q.put_nowait(item)
+        except queue.Full:
+            self.stats.queue_full[worker] += 1
+            now = time.monotonic()
+            if now - self._last_full_log > 5:
+                self._last_full_log = now
+                log.warning(
+                    "ingest worker %d is behind: its queue of %d is full; receiving waits", worker, q.maxsize
+                )
+            q.put(item)
+
+    def depths(self) -> list[int]:
+        return [q.qsize() for q in self.queues]
+
+    def drain_and_stop(self, timeout: float = 30.0) -> None:
+        """Let every worker finish what is queued, then stop them."""
+        for q in self.queues:
+            q.put(_STOP)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _run(self, worker: int) -> None:
+        handler = self._handlers[worker]
+        q = self.queues[worker]
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            try:
+                handler(item)
+            except Exception:  # a bug or an index outage must not kill the worker
+                log.exception("ingest worker %d failed on a message from %s", worker, item.pod)
+
+
+class Receiver:
+    """SUB sockets (bound and/or connected) read by one thread, feeding a ``ShardPool``."""
+
+    def __init__(
+        self,
+        *,
+        pool: ShardPool,
+        stats: IngestStats,
+        bind: Sequence[str] = (),
+        connect: Sequence[str] = (),
+        topic: str = "kv@",
+        rcvhwm: int = 100_000,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if not bind and not connect:
+            raise ValueError("give at least one endpoint to bind or connect")
+        self.pool = pool
+        self.stats = stats
+        self.topic = topic
+        self.context = context or zmq.Context.instance()
+        self.sockets: list[zmq.Socket] = []
+        self.bound: list[str] = []
+        for endpoint, do_bind in [(e, True) for e in bind] + [(e, False) for e in connect]:
+            sock = self.context.socket(zmq.SUB)
+            sock.setsockopt(zmq.RCVHWM, rcvhwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            if do_bind:
+                sock.bind(endpoint)
+                self.bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            else:
+                sock.connect(endpoint)
+            self.sockets.append(sock)
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        """Receive until ``stop()``; never raises on bad input (it is counted)."""
+        poller = zmq.Poller()
+        for sock in self.sockets:
+            poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(100):
+                    # Drain what is ready without going back to poll for every message.
+                    for _ in range(1000):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._accept(frames)
+        finally:
+            for sock in self.sockets:
+                sock.close(0)
+
+    def _accept(self, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 3:
+                raise DecodeError("frames", f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+            pod, model = parse_topic(frames[0], self.topic)
+            seq = parse_seq(frames[1])
+        except DecodeError as e:
+            self.stats.unattributed_errors[e.reason] += 1
+            log.warning("skipped a malformed message: %s", e)
+            return
+        self.pool.submit(Received(pod, model, seq, frames[2], time.time()))
+
+
+def decode_and_apply(apply: Callable[..., None], stats: IngestStats) -> Handler:
+    """A worker handler: decode the payload, count a bad one against its pod, apply a good one."""
+
+    def handle(item: Received) -> None:
+        try:
+            batch = decode_batch(item.payload)
+        except DecodeError as e:
+            stream = stats.stream(item.pod, 0, item.model)
+            stream.decode_errors[e.reason] += 1
+            stream.observe_seq(item.seq)
+            log.warning("skipped an undecodable batch from %s: %s", item.pod, e)
+            return
+        apply(pod=item.pod, model=item.model, seq=item.seq, batch=batch, received_at=item.received_at)
+
+    return handle

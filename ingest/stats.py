@@ -1,0 +1,174 @@
+"""Counters of the event stream, per pod and data-parallel rank, and their export.
+
+One set of plain counters is the truth: workers bump ints on the hot path (each stream is only
+ever written by the one worker its pod hashes to), and readers take snapshots: the Prometheus
+collector at scrape time, and the stats publisher that shares them with the web process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+@dataclass(slots=True)
+class StreamStats:
+    """What one (pod, data-parallel rank) sent us and what became of it."""
+
+    pod: str
+    rank: int
+    model: str = ""
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    ignored_batches: int = 0
+    orphaned_blocks: int = 0
+    aligned_blocks: int = 0
+    misaligned_blocks: int = 0
+    seq_gaps: int = 0
+    missed_batches: int = 0
+    restarts: int = 0
+    decode_errors: Counter = field(default_factory=Counter)
+    last_seq: int | None = None
+    first_event_at: float = 0.0
+    last_event_at: float = 0.0
+    lag_seconds: float = 0.0
+
+    @property
+    def hash_alignment(self) -> float | None:
+        """Share of computed blocks whose engine hash equalled our block key (None: none yet)."""
+        n = self.aligned_blocks + self.misaligned_blocks
+        return self.aligned_blocks / n if n else None
+
+    def observe_seq(self, seq: int) -> None:
+        """Count gaps (seq jumped ahead: batches lost) and restarts (seq went back)."""
+        last = self.last_seq
+        if last is not None:
+            if seq > last + 1:
+                self.seq_gaps += 1
+                self.missed_batches += seq - last - 1
+            elif seq <= last:
+                self.restarts += 1
+        self.last_seq = seq
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["decode_errors"] = dict(self.decode_errors)
+        out["hash_alignment"] = self.hash_alignment
+        return out
+
+
+class IngestStats:
+    """All streams, plus errors that cannot be pinned on a pod (bad topic, bad frames)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple[str, int], StreamStats] = {}
+        self._lock = threading.Lock()
+        self.unattributed_errors: Counter = Counter()
+        self.queue_full: Counter = Counter()
+        self.started_at = time.time()
+
+    def stream(self, pod: str, rank: int, model: str) -> StreamStats:
+        key = (pod, rank)
+        found = self._streams.get(key)
+        if found is None:
+            with self._lock:
+                found = self._streams.setdefault(
+                    key, StreamStats(pod=pod, rank=rank, model=model, first_event_at=time.time())
+                )
+        found.model = model
+        return found
+
+    def streams(self) -> list[StreamStats]:
+        with self._lock:
+            return sorted(self._streams.values(), key=lambda s: (s.pod, s.rank))
+
+    def forget_pod(self, pod: str) -> None:
+        with self._lock:
+            for key in [k for k in self._streams if k[0] == pod]:
+                del self._streams[key]
+
+    def snapshot(self) -> dict:
+        """A JSON-able picture of every stream and the process-wide counters."""
+        return {
+            "at": time.time(),
+            "started_at": self.started_at,
+            "streams": [s.as_dict() for s in self.streams()],
+            "unattributed_errors": dict(self.unattributed_errors),
+            "queue_full": {str(k): v for k, v in self.queue_full.items()},
+        }
+
+
+_STREAM_COUNTERS = (
+    ("batches", "kvcache_ingest_batches_total", "Event batches received."),
+    ("events", "kvcache_ingest_events_total", "Events decoded."),
+    ("blocks_stored", "kvcache_index_admissions_total", "Blocks stored into the index."),
+    ("blocks_removed", "kvcache_index_evictions_total", "Blocks removed from the index."),
+    ("clears", "kvcache_ingest_all_blocks_cleared_total", "AllBlocksCleared events applied."),
+    ("ignored_batches", "kvcache_ingest_ignored_batches_total", "Batches ignored: the pod is disabled."),
+    ("orphaned_blocks", "kvcache_ingest_orphaned_blocks_total", "Blocks skipped: parent unknown."),
+    ("aligned_blocks", "kvcache_ingest_aligned_blocks_total", "Blocks whose engine hash equalled our key."),
+    ("misaligned_blocks", "kvcache_ingest_misaligned_blocks_total", "Blocks whose engine hash differed."),
+    ("seq_gaps", "kvcache_ingest_seq_gaps_total", "Times the seq jumped ahead (batches lost)."),
+    ("missed_batches", "kvcache_ingest_missed_batches_total", "Batches lost, by seq arithmetic."),
+    ("restarts", "kvcache_ingest_restarts_total", "Times the seq went backwards (engine restart)."),
+)
+
+
+def collect_families(snapshots: Iterable[dict], unattributed: dict[str, int]) -> Iterator:
+    """Prometheus metric families from stream snapshots (``StreamStats.as_dict`` shape)."""
+    snapshots = list(snapshots)
+    labels = ["pod", "rank", "model"]
+    for attr, name, doc in _STREAM_COUNTERS:
+        family = CounterMetricFamily(name.removesuffix("_total"), doc, labels=labels)
+        for s in snapshots:
+            family.add_metric([s["pod"], str(s["rank"]), s["model"]], s[attr])
+        yield family
+    errors = CounterMetricFamily(
+        "kvcache_ingest_decode_errors", "Malformed or skipped input, by reason.", labels=[*labels, "reason"]
+    )
+    for s in snapshots:
+        for reason, n in s["decode_errors"].items():
+            errors.add_metric([s["pod"], str(s["rank"]), s["model"], reason], n)
+    for reason, n in unattributed.items():
+        errors.add_metric(["", "", "", reason], n)
+    yield errors
+    lag = GaugeMetricFamily(
+        "kvcache_ingest_lag_seconds", "Receive time minus batch timestamp.", labels=labels
+    )
+    age = GaugeMetricFamily(
+        "kvcache_ingest_last_event_age_seconds", "Seconds since the last batch.", labels=labels
+    )
+    now = time.time()
+    for s in snapshots:
+        lag.add_metric([s["pod"], str(s["rank"]), s["model"]], s["lag_seconds"])
+        age.add_metric([s["pod"], str(s["rank"]), s["model"]], max(0.0, now - s["last_event_at"]))
+    yield lag
+    yield age
+
+
+class IngestStatsCollector(Collector):
+    """Exposes a live ``IngestStats`` to prometheus_client at scrape time."""
+
+    def __init__(self, stats: IngestStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator:
+        snap = self.stats.snapshot()
+        yield from collect_families(snap["streams"], snap["unattributed_errors"])
+        full = CounterMetricFamily(
+            "kvcache_ingest_queue_full",
+            "Times a worker queue was full (the worker fell behind).",
+            labels=["worker"],
+        )
+        for worker, n in snap["queue_full"].items():
+            full.add_metric([worker], n)
+        yield full

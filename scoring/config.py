@@ -1,0 +1,48 @@
+"""What the core needs to know about models and pods, as plain immutable values.
+
+The Django shell (``scoring.selectors.service_config``) builds a ``ServiceConfig`` from the
+registry tables and refreshes it every few seconds, so admin edits reach running processes
+without a restart. Nothing here imports Django.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu": 0.8})
+DEFAULT_OTHER_TIER_WEIGHT = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """How blocks of one model are keyed and scored."""
+
+    name: str
+    block_size: int = 16
+    tokenizer_source: str = ""
+    chat_template: str = ""
+    tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS
+    other_tier_weight: float = DEFAULT_OTHER_TIER_WEIGHT
+    lora_adapters: tuple[str, ...] = ()
+
+    def tier_weight(self, tier: str) -> float:
+        return self.tier_weights.get(tier, self.other_tier_weight)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """A consistent snapshot of the registry: the hash seed, per-model settings, disabled pods."""
+
+    seed: str = ""
+    default_block_size: int = 16
+    models: Mapping[str, ModelSettings] = field(default_factory=dict)
+    disabled_pods: frozenset[str] = frozenset()
+
+    def model(self, name: str) -> ModelSettings:
+        """Settings of ``name``; a model without a config gets the defaults."""
+        found = self.models.get(name)
+        if found is not None:
+            return found
+        return ModelSettings(name=name, block_size=self.default_block_size)

@@ -1,0 +1,161 @@
+"""Block keys: vLLM's ``sha256_cbor`` prefix-cache hash chain, in pure Python.
+
+Vocabulary used across the project:
+
+* **digest** - the full 32-byte SHA-256 of one block, the chain state that the next block's
+  hash is computed from (vLLM's ``BlockHash``).
+* **block key** - the last 8 bytes of a digest as a big-endian unsigned int. It is the value vLLM
+  puts in its KV events when the engine runs ``sha256_cbor``, and the key of the index.
+* **engine hash** - whatever 64-bit value an engine reported for a block. It equals the block key
+  only when the engine hashes as we do (same algorithm and seed): see ``ingest.applier``.
+
+The chain (vLLM ``v1/core/kv_cache_utils.py``)::
+
+    root      = sha256(cbor(seed))                                  # seed is a str
+    digest[i] = sha256(cbor([digest[i-1] or root, tokens[i*B:(i+1)*B], extra[i]]))
+    key[i]    = int.from_bytes(digest[i][-8:], "big")
+
+with canonical CBOR. Only full blocks are hashed; a trailing partial block is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from functools import lru_cache
+
+import cbor2
+
+BlockKey = int
+Digest = bytes
+ExtraKeys = tuple | None
+
+_U64 = (1 << 64) - 1
+_sha256 = hashlib.sha256
+
+DEFAULT_BLOCK_SIZE = 16
+DIGEST_SIZE = 32
+
+
+def key_of(digest: Digest) -> BlockKey:
+    """The block key of a digest: its last 8 bytes, big-endian (works for any length >= 8)."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+@lru_cache(maxsize=64)
+def root_digest(seed: str) -> Digest:
+    """The digest every chain starts from: ``sha256(cbor(seed))``. ``seed`` is the engines'
+    ``PYTHONHASHSEED`` as a string ("" when unset in a deployment configured for it)."""
+    return _sha256(cbor2.dumps(seed, canonical=True)).digest()
+
+
+def _uint_head(major: int, n: int) -> bytes:
+    """Canonical CBOR head for ``major`` type with argument ``n`` (RFC 8949 section 3)."""
+    mt = major << 5
+    if n < 24:
+        return bytes((mt | n,))
+    if n < 0x100:
+        return bytes((mt | 24, n))
+    if n < 0x10000:
+        return bytes((mt | 25,)) + struct.pack(">H", n)
+    if n < 0x100000000:
+        return bytes((mt | 26,)) + struct.pack(">I", n)
+    return bytes((mt | 27,)) + struct.pack(">Q", n)
+
+
+# Encoded tokens for the common vocabulary range, so that encoding a block is a table look-up
+# per token plus one join. Larger ids fall back to _uint_head.
+_TOKEN_TABLE_SIZE = 1 << 18
+_TOKEN_TABLE: tuple[bytes, ...] = tuple(_uint_head(0, n) for n in range(_TOKEN_TABLE_SIZE))
+_DIGEST_HEAD = b"\x58\x20"  # byte string of length 32
+_NIL = b"\xf6"
+
+
+def _encode_token(t: int) -> bytes:
+    if 0 <= t < _TOKEN_TABLE_SIZE:
+        return _TOKEN_TABLE[t]
+    if t < 0 or t > _U64:
+        raise ValueError(f"token id {t} is not an unsigned 64-bit integer")
+    return _uint_head(0, t)
+
+
+def encode_block(parent: Digest, tokens: Sequence[int], extra: ExtraKeys = None) -> bytes:
+    """Canonical CBOR of ``[parent, tokens, extra]``, byte-identical to
+    ``cbor2.dumps([parent, list(tokens), extra], canonical=True)`` (a property test holds it to
+    that). ``extra`` other than ``None`` goes through cbor2, which is rare (LoRA, multimodal)."""
+    n = len(tokens)
+    head = b"\x83" + _uint_head(2, len(parent)) + parent + _uint_head(4, n)
+    try:
+        body = b"".join(map(_TOKEN_TABLE.__getitem__, tokens))
+    except (IndexError, TypeError):
+        body = b"".join(map(_encode_token, tokens))
+    if extra is None:
+        return head + body + _NIL
+    return head + body + cbor2.dumps(list(extra), canonical=True)
+
+
+def block_digest(parent: Digest, tokens: Sequence[int], extra: ExtraKeys = None) -> Digest:
+    """The digest of one full block chained from ``parent``."""
+    return _sha256(encode_block(parent, tokens, extra)).digest()
+
+
+def chain_digests(
+    tokens: Sequence[int],
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    parent: Digest,
+    extra: ExtraKeys = None,
+) -> list[Digest]:
+    """Digests of every full block of ``tokens``, chained from ``parent``.
+
+    ``extra`` is applied to every block (vLLM puts the LoRA name in each block's extra keys).
+    A trailing partial block is dropped, as vLLM never hashes one.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    out: list[Digest] = []
+    n_full = len(tokens) // block_size
+    prev = parent
+    for i in range(n_full):
+        prev = _sha256(encode_block(prev, tokens[i * block_size : (i + 1) * block_size], extra)).digest()
+        out.append(prev)
+    return out
+
+
+def block_keys(
+    tokens: Sequence[int],
+    *,
+    seed: str,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    parent: Digest | None = None,
+    lora_name: str | None = None,
+) -> list[BlockKey]:
+    """Block keys of ``tokens`` as vLLM ``sha256_cbor`` computes them.
+
+    ``parent`` continues an existing chain (its digest); otherwise the chain starts at the root
+    of ``seed``. ``lora_name`` becomes the first extra key of every block.
+    """
+    start = parent if parent is not None else root_digest(seed)
+    extra = extra_keys(lora_name=lora_name)
+    return [key_of(d) for d in chain_digests(tokens, block_size=block_size, parent=start, extra=extra)]
+
+
+def extra_keys(*, lora_name: str | None = None) -> ExtraKeys:
+    """The per-block extra keys vLLM hashes: the LoRA name first; ``None`` when there are none."""
+    return (lora_name,) if lora_name else None
+
+
+def normalize_hash(value: int | bytes) -> int:
+    """An engine hash as an unsigned 64-bit int: ints mod 2**64 (old negative int64 hashes),
+    bytes of any length by their last 8 bytes big-endian (vLLM's int mode sends that value)."""
+    if isinstance(value, bool):
+        raise TypeError("a block hash cannot be a bool")
+    if isinstance(value, int):
+        return value & _U64
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        b = bytes(value)
+        if not b:
+            raise ValueError("a block hash cannot be empty bytes")
+        return int.from_bytes(b[-8:], "big")
+    raise TypeError(f"a block hash must be int or bytes, not {type(value).__name__}")

@@ -1,0 +1,100 @@
+"""The registry: pods, model configs and the hash seed. Thin tables; logic is in services."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+
+
+def default_tier_weights() -> dict[str, float]:
+    return {"gpu": 1.0, "cpu": 0.8}
+
+
+def validate_tier_weights(value: object) -> None:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+        for k, v in value.items()
+    ):
+        raise ValidationError(
+            'tier weights must be an object of tier -> non-negative number, e.g. {"gpu": 1.0}'
+        )
+
+
+def validate_string_list(value: object) -> None:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValidationError('must be a list of non-empty strings, e.g. ["Alice"]')
+
+
+class Pod(models.Model):
+    """A vLLM engine that publishes KV events. Created by ``ingest`` on its first event."""
+
+    pod_id = models.CharField(
+        max_length=255, unique=True, help_text="The <pod> of the kv@<pod>@<model> topic."
+    )
+    address = models.CharField(max_length=255, blank=True, help_text="Where the pod serves HTTP, if known.")
+    model = models.CharField(max_length=255, db_index=True)
+    labels = models.JSONField(default=dict, blank=True)
+    enabled = models.BooleanField(
+        default=True, help_text="A disabled pod's blocks are removed from the index and from scores."
+    )
+    first_seen = models.DateTimeField(null=True, blank=True)
+    last_seen = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        ordering = ["pod_id"]
+
+    def __str__(self) -> str:
+        return self.pod_id
+
+
+class ModelConfig(models.Model):
+    """How one model's blocks are keyed (block size), tokenized and scored."""
+
+    name = models.CharField(max_length=255, unique=True, help_text='As in the topic, e.g. "Qwen/Qwen3-0.6B".')
+    block_size = models.PositiveIntegerField(
+        default=16, validators=[MinValueValidator(1)], help_text="Must equal the engines' --block-size."
+    )
+    tokenizer_source = models.CharField(
+        max_length=500, blank=True, help_text="A local directory or a hub id; empty means auto-discovery."
+    )
+    chat_template = models.TextField(blank=True, help_text="Overrides the tokenizer's own chat template.")
+    tier_weights = models.JSONField(default=default_tier_weights, validators=[validate_tier_weights])
+    other_tier_weight = models.FloatField(default=0.5, validators=[MinValueValidator(0.0)])
+    lora_adapters = models.JSONField(
+        default=list,
+        blank=True,
+        validators=[validate_string_list],
+        help_text="LoRA adapters served under it.",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "model config"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def initial_seed() -> str:
+    return settings.KVCACHE_HASH_SEED
+
+
+class HashSeed(models.Model):
+    """The single hash-seed setting: must equal the engines' PYTHONHASHSEED."""
+
+    value = models.CharField(max_length=255, blank=True, default=initial_seed)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "hash seed"
+        verbose_name_plural = "hash seed"
+
+    def save(self, *args, **kwargs) -> None:
+        self.pk = 1  # a singleton
+        super().save(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return f"hash seed {self.value!r}"
