@@ -20,6 +20,7 @@ import zmq
 
 from ingest.events import DecodeError, decode_batch, parse_seq, parse_topic
 from ingest.stats import IngestStats
+from scoring.index.base import IndexUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class ShardPool:
             for i in range(workers)
         ]
         self._last_full_log = 0.0
+        self._stopping = threading.Event()
+        self._give_up_at = float("inf")
         self._shard_of: dict[str, int] = {}
 
     def start(self) -> None:
@@ -94,14 +97,24 @@ class ShardPool:
                 )
             q.put(item)
 
+    def join_idle(self, timeout: float) -> None:
+        """Wait until every queued message has been handled (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while any(q.unfinished_tasks for q in self.queues):
+            if time.monotonic() > deadline:
+                raise TimeoutError("ingest workers did not become idle")
+            time.sleep(0.002)
+
     def depths(self) -> list[int]:
         return [q.qsize() for q in self.queues]
 
     def drain_and_stop(self, timeout: float = 30.0) -> None:
         """Let every worker finish what is queued, then stop them."""
+        deadline = time.monotonic() + timeout
+        self._give_up_at = deadline
+        self._stopping.set()
         for q in self.queues:
             q.put(_STOP)
-        deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
 
@@ -111,11 +124,33 @@ class ShardPool:
         while True:
             item = q.get()
             if item is _STOP:
+                q.task_done()
                 return
             try:
+                self._handle(worker, handler, item)
+            finally:
+                q.task_done()
+
+    def _handle(self, worker: int, handler: Handler, item: Received) -> None:
+        """Apply one message. While the index is unreachable, retry with backoff rather than lose
+        it (applying is idempotent, so a batch cut short by an outage can be applied again)."""
+        backoff = 0.05
+        while True:
+            try:
                 handler(item)
-            except Exception:  # a bug or an index outage must not kill the worker
+                return
+            except IndexUnavailable as e:
+                if self._stopping.is_set() and time.monotonic() > self._give_up_at:
+                    log.error(
+                        "ingest worker %d dropped a batch from %s: index unreachable: %s", worker, item.pod, e
+                    )
+                    return
+                log.warning("ingest worker %d: index unreachable (%s); retrying in %.2fs", worker, e, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:  # a bug must not kill the worker: log it and go on with the next message
                 log.exception("ingest worker %d failed on a message from %s", worker, item.pod)
+                return
 
 
 class Receiver:

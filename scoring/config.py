@@ -23,7 +23,7 @@ class ModelSettings:
     block_size: int = 16
     tokenizer_source: str = ""
     chat_template: str = ""
-    tier_weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS
+    tier_weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     other_tier_weight: float = DEFAULT_OTHER_TIER_WEIGHT
     lora_adapters: tuple[str, ...] = ()
 

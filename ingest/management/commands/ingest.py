@@ -18,8 +18,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from prometheus_client import CollectorRegistry, start_http_server
 
-from ingest.applier import EventApplier
-from ingest.pool import Receiver, ShardPool, decode_and_apply
+from ingest.pipeline import IngestPipeline
 from ingest.publish import instance_id, publish_snapshot, withdraw_snapshot
 from ingest.stats import IngestStats, IngestStatsCollector
 from scoring.index.base import IndexUnavailable
@@ -69,20 +68,18 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options) -> None:
         bind = options["bind"] or ([] if options["connect"] else ["tcp://*:5557"])
-        stats = IngestStats()
         index = get_index()
         wait_for_index(index, timeout=60.0)
-        pool = ShardPool(
+        pipeline = IngestPipeline(
+            index=index,
+            config=service_config,
+            bind=bind,
+            connect=options["connect"],
+            topic=options["topic"],
             workers=options["workers"],
-            handler_factory=lambda _: decode_and_apply(
-                EventApplier(index, config=service_config, stats=stats).apply, stats
-            ),
             queue_size=options["queue_size"],
-            stats=stats,
         )
-        receiver = Receiver(
-            pool=pool, stats=stats, bind=bind, connect=options["connect"], topic=options["topic"]
-        )
+        stats = pipeline.stats
         if options["metrics_port"] is not None:
             registry = CollectorRegistry()
             registry.register(IngestStatsCollector(stats))
@@ -93,27 +90,21 @@ class Command(BaseCommand):
         def on_signal(signum: int, _frame) -> None:
             log.info("received %s: draining", signal.Signals(signum).name)
             stopping.set()
-            receiver.stop()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
-        pool.start()
-        receiving = threading.Thread(target=receiver.run, name="ingest-receiver", daemon=True)
-        receiving.start()
+        pipeline.start()
         endpoints = ", ".join(
-            [*(f"bind {e}" for e in receiver.bound), *(f"connect {e}" for e in options["connect"])]
+            [*(f"bind {e}" for e in pipeline.bound), *(f"connect {e}" for e in options["connect"])]
         )
-        self.stdout.write(
-            f"ingest: {endpoints}; topic {options['topic']!r}; {options['workers']} workers", ending="\n"
-        )
+        self.stdout.write(f"ingest: {endpoints}; topic {options['topic']!r}; {options['workers']} workers")
         self.stdout.flush()
 
         housekeeping = Housekeeping(stats)
         while not stopping.wait(options["housekeeping_interval"]):
             housekeeping.run_once()
-        receiving.join(5)
-        pool.drain_and_stop()
+        pipeline.stop()
         housekeeping.run_once()
         housekeeping.close()
         self.stdout.write("ingest: stopped", ending="\n")

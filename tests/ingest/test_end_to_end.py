@@ -1,0 +1,268 @@
+"""The write path end to end: real ZMQ PUB sockets -> ingest pipeline -> each index backend.
+
+Every test runs once per backend (the ``index`` fixture), so memory and Redis are held to the
+same behaviour.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import msgpack
+import pytest
+
+from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_message
+from scoring.keys import block_keys
+from tests.ingest.conftest import MODEL, Harness
+
+SEED = "42"
+
+
+def stored(
+    capture: dict, *, first: int = 0, last: int = 25, parent: int | None = None, **changes
+) -> BlockStored:
+    """A BlockStored event for blocks ``first..last-1`` of a real capture."""
+    fields = dict(
+        block_hashes=tuple(capture["block_hashes"][first:last]),
+        parent_block_hash=parent,
+        token_ids=tuple(capture["token_ids"][first * 16 : last * 16]),
+        block_size=16,
+        lora_id=None,
+        tier="gpu",
+        lora_name=capture["lora_name"],
+        extra_keys=None,
+        group_idx=None,
+    )
+    fields.update(changes)
+    return BlockStored(**fields)
+
+
+def held_blocks(harness: Harness, keys: list[int], pod: str, model: str = MODEL) -> int:
+    """How many leading ``keys`` the index says ``pod`` holds."""
+    return len(harness.index.lookup(model=model, keys=keys, pods=[pod]))
+
+
+def capture_keys(capture: dict) -> list[int]:
+    return block_keys(capture["token_ids"], seed=SEED, lora_name=capture["lora_name"])
+
+
+@pytest.mark.parametrize("layout", ["array", "map"])
+@pytest.mark.parametrize("hash_bytes", [False, True], ids=["int-hashes", "bytes-hashes"])
+@pytest.mark.parametrize("capture_name", ["base", "lora"])
+def test_real_captures_land_as_their_25_keys(harness, capture_name, layout, hash_bytes, request):
+    capture = request.getfixturevalue(f"{capture_name}_capture")
+    pub = harness.publisher("pod-a")
+    pub.send([stored(capture)], layout=layout, hash_bytes=hash_bytes)
+    harness.sync("pod-a")
+
+    holders = harness.index.lookup(model=MODEL, keys=capture["block_hashes"])
+    assert len(holders) == 25
+    assert all(h == {"pod-a": frozenset({"gpu"})} for h in holders)
+    stream = harness.stream("pod-a")
+    assert (stream.blocks_stored, stream.aligned_blocks, stream.misaligned_blocks) == (25, 25, 0)
+
+
+def test_block_removed_removes_the_block_and_breaks_the_prefix_there(harness, base_capture):
+    pub = harness.publisher("pod-a")
+    pub.send([stored(base_capture)])
+    pub.send([BlockRemoved(block_hashes=(base_capture["block_hashes"][10],), tier="gpu", group_idx=None)])
+    harness.sync("pod-a")
+
+    assert held_blocks(harness, capture_keys(base_capture), "pod-a") == 10
+    assert harness.stream("pod-a").blocks_removed == 1
+
+
+def test_all_blocks_cleared_removes_that_pod_only(harness, base_capture):
+    a, b = harness.publisher("pod-a"), harness.publisher("pod-b")
+    a.send([stored(base_capture)])
+    b.send([stored(base_capture)])
+    harness.sync("pod-a")
+    harness.sync("pod-b")
+    a.send([AllBlocksCleared()])
+    harness.sync("pod-a")
+
+    keys = capture_keys(base_capture)
+    assert held_blocks(harness, keys, "pod-a") == 0
+    assert held_blocks(harness, keys, "pod-b") == 25
+
+
+def test_lora_blocks_are_keyed_apart_from_base_blocks(harness, base_capture, lora_capture):
+    pub = harness.publisher("pod-a")
+    pub.send([stored(lora_capture)])
+    harness.sync("pod-a")
+
+    assert held_blocks(harness, capture_keys(lora_capture), "pod-a") == 25
+    assert held_blocks(harness, capture_keys(base_capture), "pod-a") == 0
+
+
+def test_chain_continues_across_events_through_the_parent_hash(harness, base_capture):
+    pub = harness.publisher("pod-a")
+    pub.send([stored(base_capture, last=13)])
+    pub.send([stored(base_capture, first=13, parent=base_capture["block_hashes"][12])])
+    harness.sync("pod-a")
+
+    assert held_blocks(harness, capture_keys(base_capture), "pod-a") == 25
+
+
+def test_foreign_algorithm_engine_is_indexed_by_token_ids_and_removed_by_its_own_hashes(
+    harness, base_capture
+):
+    """An engine hashing differently (vLLM's default pickle sha256, or another seed) reports
+    hashes nobody can recompute: we still key its blocks from their token ids."""
+    foreign = [random.Random(i).getrandbits(64) for i in range(25)]
+    pub = harness.publisher("pod-x")
+    pub.send([stored(base_capture, last=13, block_hashes=tuple(foreign[:13]))])
+    pub.send([stored(base_capture, first=13, parent=foreign[12], block_hashes=tuple(foreign[13:]))])
+    harness.sync("pod-x")
+    keys = capture_keys(base_capture)
+    assert held_blocks(harness, keys, "pod-x") == 25
+    stream = harness.stream("pod-x")
+    assert (stream.aligned_blocks, stream.misaligned_blocks, stream.hash_alignment) == (0, 25, 0.0)
+
+    pub.send([BlockRemoved(block_hashes=(foreign[20],), tier="gpu", group_idx=None)])
+    harness.sync("pod-x")
+    assert held_blocks(harness, keys, "pod-x") == 20
+
+
+def test_unknown_parent_is_never_rechained_from_the_root(harness, base_capture):
+    """A misaligned pod whose parent we never saw: its blocks are skipped and counted."""
+    foreign = [random.Random(100 + i).getrandbits(64) for i in range(25)]
+    pub = harness.publisher("pod-x")
+    pub.send([stored(base_capture, first=13, parent=foreign[12], block_hashes=tuple(foreign[13:]))])
+    harness.sync("pod-x")
+
+    assert harness.stream("pod-x").orphaned_blocks == 12
+    assert harness.index.pod_blocks(model=MODEL) == []
+
+
+def test_aligned_pod_with_unknown_parent_adopts_its_engine_hashes(harness, base_capture):
+    """A pod whose hashes have equalled our keys: an unknown parent (e.g. events lost in a gap)
+    does not lose its blocks: its engine hashes are our keys."""
+    pub = harness.publisher("pod-a")
+    pub.send([stored(base_capture, last=5)])  # proves alignment
+    pub.send([stored(base_capture, first=13, parent=base_capture["block_hashes"][12])])  # 5..12 lost
+    harness.sync("pod-a")
+
+    holders = harness.index.lookup(model=MODEL, keys=base_capture["block_hashes"][13:], pods=["pod-a"])
+    assert len(holders) == 12
+    assert harness.stream("pod-a").orphaned_blocks == 0
+
+
+def test_hash_only_offload_event_adds_a_tier_to_known_blocks(harness, base_capture):
+    pub = harness.publisher("pod-a")
+    pub.send([stored(base_capture)])
+    unknown = 12345
+    offload = stored(base_capture, last=3, token_ids=(), tier="cpu")
+    pub.send([BlockStored(**{**_fields(offload), "block_hashes": (*offload.block_hashes, unknown)})])
+    harness.sync("pod-a")
+
+    holders = harness.index.lookup(model=MODEL, keys=capture_keys(base_capture))
+    assert [h["pod-a"] for h in holders[:4]] == [frozenset({"gpu", "cpu"})] * 3 + [frozenset({"gpu"})]
+    assert harness.stream("pod-a").orphaned_blocks == 1
+
+
+def test_resent_block_stored_is_idempotent(harness, base_capture):
+    pub = harness.publisher("pod-a")
+    pub.send([stored(base_capture)])
+    pub.send([stored(base_capture)])
+    harness.sync("pod-a")
+
+    assert harness.index.pod_blocks(model=MODEL)[0].blocks_by_tier == {"gpu": 25}
+
+
+def test_data_parallel_ranks_are_separate_engines(harness, base_capture):
+    pub = harness.publisher("pod-a")
+    pub.send([stored(base_capture)], rank=0)
+    pub.send([stored(base_capture, last=4)], rank=1)
+    harness.sync("pod-a")
+
+    holders = harness.index.lookup(model=MODEL, keys=capture_keys(base_capture))
+    assert set(holders[0]) == {"pod-a", "pod-a#dp1"}
+    assert {s.rank for s in harness.stats.streams() if s.pod == "pod-a"} == {0, 1}
+
+
+def test_seq_gaps_and_restarts_are_counted(harness, base_capture):
+    pub = harness.publisher("pod-a")
+    pub.next_seq += 3  # three batches lost on the way
+    pub.send([stored(base_capture, last=2)])
+    harness.sync("pod-a")
+    pub.next_seq = 0  # the engine restarted
+    pub.send([stored(base_capture, last=2)])
+    harness.sync("pod-a")
+
+    stream = harness.stream("pod-a")
+    assert (stream.seq_gaps, stream.missed_batches, stream.restarts) == (1, 3, 1)
+
+
+def test_poison_messages_are_counted_and_the_next_good_event_still_lands(harness, base_capture):
+    pub = harness.publisher("pod-a")
+    good_payload = msgpack.packb([0.0, [], None])
+    topic, seq, _ = encode_message("pod-a", MODEL, 99, good_payload)
+    poison = [
+        [topic],  # one frame
+        [topic, seq],  # two frames
+        [topic, b"\x00\x01", good_payload],  # short seq
+        [b"kv@\xff\xfe@model", seq, good_payload],  # topic not UTF-8
+        [b"kv@@" + MODEL.encode(), seq, good_payload],  # empty pod
+        [topic, seq, b"\xc1garbage"],  # not msgpack
+        [topic, seq, msgpack.packb("a string")],  # not a batch
+        [
+            topic,
+            seq,
+            msgpack.packb([0.0, [["BlockStored", "not-a-list", None, [1, 2], 16]], None]),
+        ],  # field types
+    ]
+    for frames in poison:
+        pub.send_frames(frames)
+    pub.next_seq = 100
+    pub.send([stored(base_capture)])
+    harness.sync("pod-a")
+
+    assert held_blocks(harness, capture_keys(base_capture), "pod-a") == 25
+    counted = sum(harness.stats.unattributed_errors.values()) + sum(
+        harness.stream("pod-a").decode_errors.values()
+    )
+    assert counted == len(poison)
+
+
+def test_a_hundred_concurrent_engines(harness, base_capture):
+    """100 engines publish at once, each its own blocks; every block lands on its own pod."""
+    pods = [f"pod-{i:03d}" for i in range(100)]
+    publishers = {pod: harness.publisher(pod) for pod in pods}
+    keys = capture_keys(base_capture)
+
+    def run(pod: str) -> None:
+        pub = publishers[pod]
+        for first in range(0, 25, 5):
+            parent = None if first == 0 else base_capture["block_hashes"][first - 1]
+            pub.send([stored(base_capture, first=first, last=first + 5, parent=parent)])
+
+    threads = [threading.Thread(target=run, args=(pod,)) for pod in pods]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for pod in pods:
+        harness.sync(pod, timeout=20)
+
+    holders = harness.index.lookup(model=MODEL, keys=keys)
+    assert len(holders) == 25
+    assert all(set(h) == set(pods) for h in holders)
+    assert sum(b.total for b in harness.index.pod_blocks(model=MODEL)) == 25 * 100
+
+
+def test_a_disabled_pod_is_ignored(harness, base_capture):
+    from dataclasses import replace
+
+    pub = harness.publisher("pod-a")
+    harness.config = replace(harness.config, disabled_pods=frozenset({"pod-a"}))
+    pub.send([stored(base_capture)])
+    harness.sync("pod-a")
+
+    assert held_blocks(harness, capture_keys(base_capture), "pod-a") == 0
+    assert harness.stream("pod-a").ignored_batches == 1
+
+
+def _fields(event: BlockStored) -> dict:
+    return {name: getattr(event, name) for name in event.__slots__}
