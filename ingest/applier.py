@@ -87,6 +87,8 @@ class EventApplier:
                 state.parents.clear()
                 self.index.clear_pod(pod=holder, model=model)
                 stream.clears += 1
+        if batch.ts and batch.events:
+            self.stats.observe_visible(time.time() - batch.ts)
 
     def forget(self, pod: str) -> None:
         """Drop what is remembered of ``pod`` (it was disabled or deleted)."""

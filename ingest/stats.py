@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from bisect import bisect_left
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 
@@ -66,15 +67,30 @@ class StreamStats:
         return out
 
 
-class IngestStats:
-    """All streams, plus errors that cannot be pinned on a pod (bad topic, bad frames)."""
+VISIBLE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Histogram buckets (seconds) of event-to-visible-in-index latency."""
 
-    def __init__(self) -> None:
+
+class IngestStats:
+    """All streams, plus errors that cannot be pinned on a pod (bad topic, bad frames), plus the
+    event-to-visible latency: from the batch's timestamp (set by the engine when it published)
+    to the moment its last update was applied to the index."""
+
+    def __init__(self, *, latency_samples: int = 65536) -> None:
         self._streams: dict[tuple[str, int], StreamStats] = {}
         self._lock = threading.Lock()
         self.unattributed_errors: Counter = Counter()
         self.queue_full: Counter = Counter()
         self.started_at = time.time()
+        self.recent_visible_latencies: deque[float] = deque(maxlen=latency_samples)
+        self.visible_buckets = [0] * (len(VISIBLE_BUCKETS) + 1)
+        self.visible_sum = 0.0
+
+    def observe_visible(self, seconds: float) -> None:
+        """Record one batch's event-to-visible latency (called by the worker that applied it)."""
+        self.recent_visible_latencies.append(seconds)
+        self.visible_buckets[bisect_left(VISIBLE_BUCKETS, seconds)] += 1
+        self.visible_sum += seconds
 
     def stream(self, pod: str, rank: int, model: str) -> StreamStats:
         key = (pod, rank)
@@ -172,3 +188,13 @@ class IngestStatsCollector(Collector):
         for worker, n in snap["queue_full"].items():
             full.add_metric([worker], n)
         yield full
+        visible = HistogramMetricFamily(
+            "kvcache_ingest_event_to_index_seconds", "From the batch timestamp to applied in the index."
+        )
+        counts = list(self.stats.visible_buckets)
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, VISIBLE_BUCKETS), "+Inf"], counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        visible.add_metric([], buckets, self.stats.visible_sum)
+        yield visible

@@ -71,14 +71,16 @@ class KVIndex(Protocol):
     ) -> list[HolderMap]:
         """Holders of ``keys`` in order, restricted to ``pods`` when given, stopping before the
         first key that has no (remaining) holder: the result is the longest held run from
-        ``keys[0]``, which is all that prefix scoring needs. One round trip."""
+        ``keys[0]``, which is all that prefix scoring needs. One round trip. An empty ``pods``
+        matches nothing (``[]``); each returned map is the caller's to keep or change."""
 
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod`` (under ``model``, or under every model); returns how
         many (key, tier) entries went."""
 
     def clear_model(self, *, model: str) -> int:
-        """Remove everything indexed under ``model`` (its seed or block size changed)."""
+        """Remove everything indexed under ``model`` (its seed or block size changed); returns
+        how many (key, pod, tier) entries went."""
 
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:
         """Live block counts per (model, pod), sorted by model then pod."""

@@ -1,0 +1,58 @@
+"""The KV-block index: which pod holds which block key, on which tier.
+
+One interface (``KVIndex`` in ``base``), one module per backend: ``memory`` (in-process, bounded
+LRU) and ``redis`` (shared between processes and replicas). Both pass ``tests/index``.
+``open_index`` picks the backend from a URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from scoring.index.base import HolderMap, IndexUnavailable, KVIndex, PodBlocks, StoredBlock
+from scoring.index.memory import MemoryIndex
+
+__all__ = [
+    "HolderMap",
+    "IndexUnavailable",
+    "KVIndex",
+    "MemoryIndex",
+    "PodBlocks",
+    "StoredBlock",
+    "open_index",
+]
+
+_MEMORY_OPTIONS = ("max_keys", "pod_cache_size")
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def open_index(url: str, **options: Any) -> KVIndex:
+    """The index a URL names.
+
+    * ``memory://`` -> ``MemoryIndex``; query parameters ``max_keys`` and ``pod_cache_size``
+      (integers), e.g. ``memory://?max_keys=1000000&pod_cache_size=10``. Keyword ``options``
+      override the query.
+    * ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex.from_url(url, **options)``;
+      redis-py reads connection settings from the URL's query (e.g. ``?socket_timeout=1``).
+
+    Raises ``ValueError`` for another scheme or an unknown or malformed memory option.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "memory":
+        params: dict[str, Any] = {}
+        for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name not in _MEMORY_OPTIONS:
+                raise ValueError(f"unknown memory index option {name!r}; known: {', '.join(_MEMORY_OPTIONS)}")
+            try:
+                params[name] = int(value.replace("_", ""))
+            except ValueError:
+                raise ValueError(f"memory index option {name} must be an integer, not {value!r}") from None
+        params.update(options)
+        return MemoryIndex(**params)
+    if scheme in _REDIS_SCHEMES:
+        from scoring.index.redis import RedisIndex  # redis-py only when a Redis index is used
+
+        return RedisIndex.from_url(url, **options)
+    raise ValueError(f"unsupported index URL {url!r}: use memory://, redis://, rediss:// or unix://")

@@ -1,0 +1,281 @@
+"""In-process index: bounded, LRU-evicting, consistent across its three maps.
+
+State, all guarded by one lock:
+
+* ``_blocks``: ``(model, block key) -> _Block`` in least-recently-used order (a store or a
+  lookup hit refreshes a key). At most ``max_keys`` entries; the oldest goes first.
+* ``_Block.holders``: the ``(pod, tier)`` entries of one key, oldest first, at most
+  ``pod_cache_size`` of them; storing one more evicts the oldest.
+* ``_pods[model][pod]``: a ``_PodState`` with the reverse index (tier -> keys), the engine-hash
+  map (engine hash -> digest) and, to keep those two consistent, key -> engine hashes.
+
+Invariants (``_drop_entry`` is the one place an entry leaves, whatever the reason):
+
+* ``(pod, tier)`` is in ``_blocks[(model, key)].holders`` iff ``key`` is in
+  ``_pods[model][pod].tiers[tier]``;
+* every engine hash of a pod maps to a digest whose key the pod holds on at least one tier;
+* no empty containers: a block without holders, a tier without keys, a pod without tiers and a
+  model without pods are deleted.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+from scoring.index.base import HolderMap, PodBlocks, StoredBlock, Tier
+from scoring.keys import BlockKey, Digest, key_of
+
+DEFAULT_MAX_KEYS = 10_000_000
+DEFAULT_POD_CACHE_SIZE = 128
+"""Holders kept per key. Upstream keeps 10; a fleet whose pods all cache one long system prompt
+would then show only 10 of them warm, so we keep enough for a large fleet (and Redis keeps all)."""
+
+
+class _Block:
+    """The holders of one ``(model, key)``, oldest first, and a cached ``HolderMap`` of them."""
+
+    __slots__ = ("holders", "view")
+
+    def __init__(self) -> None:
+        self.holders: dict[tuple[str, Tier], None] = {}
+        self.view: HolderMap | None = None
+
+    def holder_map(self) -> HolderMap:
+        """pod -> tiers, computed once per change of ``holders``. Never hand it out: copy it."""
+        view = self.view
+        if view is None:
+            view = {}
+            for pod, tier in self.holders:
+                tiers = view.get(pod)
+                view[pod] = frozenset((tier,)) if tiers is None else tiers | {tier}
+            self.view = view
+        return view
+
+
+class _PodState:
+    """What one pod holds under one model: the reverse index and the engine-hash map."""
+
+    __slots__ = ("engine", "hashes_of", "tiers")
+
+    def __init__(self) -> None:
+        self.tiers: dict[Tier, set[BlockKey]] = {}
+        self.engine: dict[int, Digest] = {}
+        self.hashes_of: dict[BlockKey, set[int]] = {}
+
+    def holds(self, key: BlockKey) -> bool:
+        return any(key in keys for keys in self.tiers.values())
+
+
+class MemoryIndex:
+    """A ``KVIndex`` in this process's memory. Thread-safe: every method takes one lock.
+
+    ``max_keys`` bounds the number of ``(model, block key)`` entries (least recently stored or
+    looked up goes first); ``pod_cache_size`` bounds the ``(pod, tier)`` entries per key (oldest
+    stored goes first). Evictions keep the reverse index and the engine-hash map consistent.
+    """
+
+    def __init__(
+        self, *, max_keys: int = DEFAULT_MAX_KEYS, pod_cache_size: int = DEFAULT_POD_CACHE_SIZE
+    ) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be at least 1")
+        if pod_cache_size < 1:
+            raise ValueError("pod_cache_size must be at least 1")
+        self.max_keys = max_keys
+        self.pod_cache_size = pod_cache_size
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[tuple[str, BlockKey], _Block] = OrderedDict()
+        self._pods: dict[str, dict[str, _PodState]] = {}
+
+    def __len__(self) -> int:
+        """The number of ``(model, block key)`` entries (never more than ``max_keys``)."""
+        return len(self._blocks)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def store(self, *, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> None:
+        """Record ``blocks`` for ``(pod, tier)``, refreshing their recency; idempotent.
+
+        Bounds are enforced as each block goes in (per-key pod bound) and once at the end (global
+        key bound), so a call larger than ``max_keys`` keeps only its last ``max_keys`` blocks.
+        """
+        if not blocks:
+            return
+        entry = (pod, tier)
+        with self._lock:
+            state = self._pods.setdefault(model, {}).get(pod)
+            if state is None:
+                state = self._pods[model][pod] = _PodState()
+            tier_keys = state.tiers.setdefault(tier, set())
+            all_blocks = self._blocks
+            for b in blocks:
+                key = b.key
+                old = state.engine.get(b.engine_hash)
+                if old != b.digest:
+                    if old is not None:
+                        self._unlink_hash(state, key_of(old), b.engine_hash)
+                    state.engine[b.engine_hash] = b.digest
+                    state.hashes_of.setdefault(key, set()).add(b.engine_hash)
+                ident = (model, key)
+                block = all_blocks.get(ident)
+                if block is None:
+                    block = all_blocks[ident] = _Block()
+                else:
+                    all_blocks.move_to_end(ident)
+                    block.holders.pop(entry, None)
+                block.holders[entry] = None
+                block.view = None
+                tier_keys.add(key)
+                if len(block.holders) > self.pod_cache_size:
+                    # The oldest entry, never the one just added: it is last and the bound is >= 1.
+                    old_pod, old_tier = next(iter(block.holders))
+                    self._drop_entry(model, key, block, old_pod, old_tier)
+            while len(all_blocks) > self.max_keys:
+                (old_model, old_key), block = all_blocks.popitem(last=False)
+                for old_pod, old_tier in list(block.holders):
+                    self._drop_entry(old_model, old_key, block, old_pod, old_tier)
+
+    def remove(self, *, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
+        """Drop ``(pod, tier)`` from the blocks these engine hashes map to; see ``KVIndex``."""
+        removed = 0
+        entry = (pod, tier)
+        with self._lock:
+            pods = self._pods.get(model)
+            for engine_hash in engine_hashes:
+                state = pods.get(pod) if pods else None
+                if state is None:  # the pod holds nothing (any more): every hash is unknown
+                    break
+                digest = state.engine.get(engine_hash)
+                if digest is None:
+                    continue
+                key = key_of(digest)
+                block = self._blocks.get((model, key))
+                if block is not None and entry in block.holders:
+                    self._drop_entry(model, key, block, pod, tier)
+                    removed += 1
+        return removed
+
+    def clear_pod(self, *, pod: str, model: str | None = None) -> int:
+        """Remove every entry of ``pod``; returns the number of ``(key, tier)`` entries."""
+        removed = 0
+        with self._lock:
+            models = list(self._pods) if model is None else [model]
+            for m in models:
+                pods = self._pods.get(m)
+                state = pods.pop(pod, None) if pods else None
+                if state is None:
+                    continue
+                for tier, keys in state.tiers.items():
+                    entry = (pod, tier)
+                    for key in keys:
+                        ident = (m, key)
+                        block = self._blocks[ident]
+                        del block.holders[entry]
+                        block.view = None
+                        if not block.holders:
+                            del self._blocks[ident]
+                    removed += len(keys)
+                if not pods:
+                    del self._pods[m]
+        return removed
+
+    def clear_model(self, *, model: str) -> int:
+        """Remove everything under ``model``; returns the number of ``(key, pod, tier)`` entries."""
+        removed = 0
+        with self._lock:
+            for state in self._pods.pop(model, {}).values():
+                for keys in state.tiers.values():
+                    for key in keys:
+                        self._blocks.pop((model, key), None)
+                    removed += len(keys)
+        return removed
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def resolve(self, *, model: str, pod: str, engine_hashes: Sequence[int]) -> list[Digest | None]:
+        with self._lock:
+            state = self._pods.get(model, {}).get(pod)
+            if state is None:
+                return [None] * len(engine_hashes)
+            get = state.engine.get
+            return [get(h) for h in engine_hashes]
+
+    def lookup(
+        self, *, model: str, keys: Sequence[BlockKey], pods: Collection[str] | None = None
+    ) -> list[HolderMap]:
+        """Holders of the longest held run of ``keys``; every key returned becomes most recent."""
+        wanted = pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
+        out: list[HolderMap] = []
+        with self._lock:
+            get = self._blocks.get
+            touch = self._blocks.move_to_end
+            for key in keys:
+                ident = (model, key)
+                block = get(ident)
+                if block is None:
+                    break
+                view = block.holder_map()
+                if wanted is None:
+                    holders = dict(view)
+                else:
+                    holders = {pod: tiers for pod, tiers in view.items() if pod in wanted}
+                    if not holders:
+                        break
+                touch(ident)
+                out.append(holders)
+        return out
+
+    def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:
+        with self._lock:
+            models = sorted(self._pods) if model is None else [model]
+            return [
+                PodBlocks(model=m, pod=pod, blocks_by_tier={t: len(k) for t, k in state.tiers.items()})
+                for m in models
+                for pod, state in sorted(self._pods.get(m, {}).items())
+            ]
+
+    def ping(self) -> None:
+        """Always reachable."""
+
+    def close(self) -> None:
+        """Drop everything."""
+        with self._lock:
+            self._blocks.clear()
+            self._pods.clear()
+
+    # -- invariant keeping ----------------------------------------------------------------------
+
+    def _drop_entry(self, model: str, key: BlockKey, block: _Block, pod: str, tier: Tier) -> None:
+        """Remove ``(pod, tier)`` from ``block`` and from the pod's reverse index; when the pod
+        no longer holds ``key`` on any tier, its engine hashes for ``key`` go too. Deletes what
+        becomes empty (the block from ``_blocks`` if it is still there, the pod, the model).
+
+        Requires ``(pod, tier)`` in ``block.holders`` (and so ``key`` in the reverse index)."""
+        del block.holders[(pod, tier)]
+        block.view = None
+        if not block.holders:
+            self._blocks.pop((model, key), None)
+        pods = self._pods[model]
+        state = pods[pod]
+        keys = state.tiers[tier]
+        keys.discard(key)
+        if not keys:
+            del state.tiers[tier]
+        if not state.holds(key):
+            for engine_hash in state.hashes_of.pop(key, ()):
+                del state.engine[engine_hash]
+        if not state.tiers:
+            del pods[pod]
+            if not pods:
+                del self._pods[model]
+
+    @staticmethod
+    def _unlink_hash(state: _PodState, key: BlockKey, engine_hash: int) -> None:
+        """Forget that ``engine_hash`` points at ``key`` (it is about to point elsewhere)."""
+        hashes = state.hashes_of.get(key)
+        if hashes is not None:
+            hashes.discard(engine_hash)
+            if not hashes:
+                del state.hashes_of[key]

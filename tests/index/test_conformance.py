@@ -1,0 +1,329 @@
+"""What every index backend guarantees (upstream's shared suite, plus what we promise beyond it).
+
+Each test runs against the in-memory index and against a real Valkey server.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from scoring.index import KVIndex, MemoryIndex, PodBlocks, open_index
+from tests.index import MODEL, chain, hashes, keys
+
+A, B, C, D = chain(4)
+FOUR = [A, B, C, D]
+GPU = frozenset({"gpu"})
+CPU = frozenset({"cpu"})
+
+
+@pytest.fixture(params=["memory", "redis"])
+def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
+    if request.param == "memory":
+        # Its bound on entries per key is its own (test_memory); 50 writers x 2 tiers must fit.
+        idx: KVIndex = MemoryIndex(pod_cache_size=1000)
+    else:
+        idx = open_index(request.getfixturevalue("redis_url"))
+    yield idx
+    idx.close()
+
+
+# -- store and lookup ---------------------------------------------------------------------------
+
+
+def test_lookup_returns_every_pod_that_stored_the_blocks(index: KVIndex) -> None:
+    for pod in ("pod1", "pod2", "pod3"):
+        index.store(model=MODEL, pod=pod, tier="gpu", blocks=FOUR)
+
+    assert index.lookup(model=MODEL, keys=keys(FOUR)) == [{"pod1": GPU, "pod2": GPU, "pod3": GPU}] * 4
+
+
+def test_pod_and_tier_together_are_the_identity(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    index.store(model=MODEL, pod="pod1", tier="cpu", blocks=[A])
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": {"gpu", "cpu"}}]
+    assert index.pod_blocks() == [PodBlocks(MODEL, "pod1", {"gpu": 1, "cpu": 1})]
+
+
+def test_lookup_filtered_by_pods_keeps_only_those_pods(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=FOUR)
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=FOUR)
+
+    assert index.lookup(model=MODEL, keys=keys(FOUR), pods={"pod1"}) == [{"pod1": GPU}] * 4
+    assert index.lookup(model=MODEL, keys=keys(FOUR), pods=["pod2", "pod999"]) == [{"pod2": GPU}] * 4
+    assert index.lookup(model=MODEL, keys=keys(FOUR), pods={"pod999"}) == []
+    assert index.lookup(model=MODEL, keys=keys(FOUR), pods=set()) == []
+
+
+def test_lookup_stops_at_the_first_key_without_a_holder(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A, B, D])
+
+    assert index.lookup(model=MODEL, keys=keys(FOUR)) == [{"pod1": GPU}] * 2
+    assert index.lookup(model=MODEL, keys=[C.key, D.key]) == []
+    assert index.lookup(model=MODEL, keys=[]) == []
+
+
+def test_filtered_lookup_stops_where_the_wanted_pods_stop(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="long", tier="gpu", blocks=FOUR)
+    index.store(model=MODEL, pod="short", tier="gpu", blocks=[A, B])
+
+    assert index.lookup(model=MODEL, keys=keys(FOUR), pods={"short"}) == [{"short": GPU}] * 2
+    assert len(index.lookup(model=MODEL, keys=keys(FOUR))) == 4
+
+
+def test_store_is_idempotent(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=FOUR)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=FOUR)
+
+    assert index.lookup(model=MODEL, keys=keys(FOUR)) == [{"pod1": GPU}] * 4
+    assert index.pod_blocks() == [PodBlocks(MODEL, "pod1", {"gpu": 4})]
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[A.engine_hash]) == 1
+    assert index.lookup(model=MODEL, keys=[A.key]) == []
+
+
+def test_models_are_separate_indexes(index: KVIndex) -> None:
+    index.store(model="model-a", pod="pod1", tier="gpu", blocks=FOUR)
+
+    assert index.lookup(model="model-b", keys=keys(FOUR)) == []
+    assert index.resolve(model="model-b", pod="pod1", engine_hashes=[A.engine_hash]) == [None]
+
+
+def test_empty_writes_change_nothing(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[])
+
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[]) == 0
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[]) == []
+    assert index.pod_blocks() == []
+
+
+# -- remove and the engine-hash map ---------------------------------------------------------------
+
+
+def test_remove_evicts_exactly_the_pod_and_tier_given(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=FOUR)
+    index.store(model=MODEL, pod="pod1", tier="cpu", blocks=FOUR)
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=FOUR)
+
+    removed = index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes([A, B]))
+
+    assert removed == 2
+    after = index.lookup(model=MODEL, keys=keys(FOUR))
+    assert after[:2] == [{"pod1": CPU, "pod2": GPU}] * 2
+    assert after[2:] == [{"pod1": {"gpu", "cpu"}, "pod2": GPU}] * 2
+
+
+def test_remove_counts_only_entries_that_were_there(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+
+    assert index.remove(model=MODEL, pod="pod1", tier="cpu", engine_hashes=[A.engine_hash]) == 0
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[A.engine_hash, 12345]) == 1
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[A.engine_hash]) == 0
+    assert index.remove(model=MODEL, pod="nobody", tier="gpu", engine_hashes=[A.engine_hash]) == 0
+
+
+def test_resolve_maps_engine_hashes_to_digests_while_the_pod_holds_them(index: KVIndex) -> None:
+    misaligned = chain(2, engine_hash_offset=1000)  # an engine that hashes differently
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=misaligned)
+
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[1000, 1001, 7]) == [
+        misaligned[0].digest,
+        misaligned[1].digest,
+        None,
+    ]
+    assert index.resolve(model=MODEL, pod="pod2", engine_hashes=[1000]) == [None]
+
+    index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[1000])
+
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[1000, 1001]) == [None, misaligned[1].digest]
+
+
+def test_engine_hash_goes_only_when_the_pod_holds_the_block_on_no_tier(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    index.store(model=MODEL, pod="pod1", tier="cpu", blocks=[A])
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=[A])
+
+    index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[A.engine_hash])
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[A.engine_hash]) == [A.digest]
+
+    index.remove(model=MODEL, pod="pod1", tier="cpu", engine_hashes=[A.engine_hash])
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[A.engine_hash]) == [None]
+    assert index.resolve(model=MODEL, pod="pod2", engine_hashes=[A.engine_hash]) == [A.digest]
+
+
+def test_every_engine_hash_of_a_dropped_block_goes(index: KVIndex) -> None:
+    # After a restart with another hash seed, an engine reports the same block under a new hash.
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=chain(1, engine_hash_offset=1000))
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=chain(1, engine_hash_offset=2000))
+
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[2000]) == 1
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[1000, 2000]) == [None, None]
+
+
+def test_an_engine_hash_reported_again_points_at_the_newest_block(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=chain(1, engine_hash_offset=7))
+    other = chain(1, first_token=100, engine_hash_offset=7)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=other)
+
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[7]) == [other[0].digest]
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[7]) == 1
+    assert index.lookup(model=MODEL, keys=keys(other)) == []
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": GPU}]  # still held, by no hash
+
+
+# -- clearing and counting -------------------------------------------------------------------------
+
+
+def test_clear_pod_removes_only_that_pod(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=FOUR)
+    index.store(model=MODEL, pod="pod1", tier="cpu", blocks=[A, B])
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=FOUR)
+
+    assert index.clear_pod(pod="pod1", model=MODEL) == 6
+
+    assert index.lookup(model=MODEL, keys=keys(FOUR)) == [{"pod2": GPU}] * 4
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[A.engine_hash]) == [None]
+    assert index.resolve(model=MODEL, pod="pod2", engine_hashes=[A.engine_hash]) == [A.digest]
+    assert index.pod_blocks() == [PodBlocks(MODEL, "pod2", {"gpu": 4})]
+    assert index.clear_pod(pod="pod1", model=MODEL) == 0
+
+
+def test_clear_pod_without_a_model_clears_it_under_every_model(index: KVIndex) -> None:
+    for model in ("model-a", "model-b"):
+        index.store(model=model, pod="pod1", tier="gpu", blocks=FOUR)
+        index.store(model=model, pod="pod2", tier="gpu", blocks=[A])
+
+    assert index.clear_pod(pod="pod1") == 8
+
+    assert index.pod_blocks() == [
+        PodBlocks("model-a", "pod2", {"gpu": 1}),
+        PodBlocks("model-b", "pod2", {"gpu": 1}),
+    ]
+
+
+def test_clear_pod_under_one_model_leaves_the_others(index: KVIndex) -> None:
+    for model in ("model-a", "model-b"):
+        index.store(model=model, pod="pod1", tier="gpu", blocks=[A])
+
+    assert index.clear_pod(pod="pod1", model="model-a") == 1
+    assert index.lookup(model="model-b", keys=[A.key]) == [{"pod1": GPU}]
+
+
+def test_clear_model_removes_everything_under_it_and_nothing_else(index: KVIndex) -> None:
+    for model in ("model-a", "model-b"):
+        index.store(model=model, pod="pod1", tier="gpu", blocks=FOUR)
+        index.store(model=model, pod="pod2", tier="cpu", blocks=[A])
+
+    assert index.clear_model(model="model-a") == 5
+
+    assert index.lookup(model="model-a", keys=keys(FOUR)) == []
+    assert index.resolve(model="model-a", pod="pod1", engine_hashes=[A.engine_hash]) == [None]
+    assert index.lookup(model="model-b", keys=[A.key]) == [{"pod1": GPU, "pod2": CPU}]
+    assert [(p.model, p.pod) for p in index.pod_blocks()] == [("model-b", "pod1"), ("model-b", "pod2")]
+    assert index.clear_model(model="model-a") == 0
+
+
+def test_pod_blocks_counts_live_blocks_by_tier_sorted_by_model_then_pod(index: KVIndex) -> None:
+    index.store(model="m2", pod="pod-b", tier="gpu", blocks=FOUR)
+    index.store(model="m2", pod="pod-a", tier="gpu", blocks=[A])
+    index.store(model="m1", pod="pod-z", tier="cpu", blocks=[A, B])
+    index.store(model="m1", pod="pod-z", tier="gpu", blocks=[A])
+    index.remove(model="m2", pod="pod-b", tier="gpu", engine_hashes=[D.engine_hash])
+
+    assert index.pod_blocks() == [
+        PodBlocks("m1", "pod-z", {"cpu": 2, "gpu": 1}),
+        PodBlocks("m2", "pod-a", {"gpu": 1}),
+        PodBlocks("m2", "pod-b", {"gpu": 3}),
+    ]
+    assert index.pod_blocks(model="m1") == [PodBlocks("m1", "pod-z", {"cpu": 2, "gpu": 1})]
+    assert index.pod_blocks(model="unknown") == []
+
+
+def test_a_pod_whose_last_block_goes_is_no_longer_listed(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[A.engine_hash])
+
+    assert index.pod_blocks() == []
+
+
+# -- names -------------------------------------------------------------------------------------
+
+
+def test_names_with_separators_are_kept_apart_from_look_alikes(index: KVIndex) -> None:
+    index.store(model="a@b", pod="c", tier="gpu", blocks=[A])
+    index.store(model="a", pod="b@c", tier="gpu", blocks=[A, B])
+
+    assert index.lookup(model="a@b", keys=keys(FOUR)) == [{"c": GPU}]
+    assert index.lookup(model="a", keys=keys(FOUR)) == [{"b@c": GPU}] * 2
+    assert index.pod_blocks() == [PodBlocks("a", "b@c", {"gpu": 2}), PodBlocks("a@b", "c", {"gpu": 1})]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["org/model:v1", "10.0.0.1:8000", "a@b@c", "{tag}", "100%", "%41", "with space", "naïve", "x:t:gpu", ""],
+)
+def test_any_model_pod_and_tier_name_round_trips(index: KVIndex, name: str) -> None:
+    index.store(model=name, pod=name, tier=name, blocks=[A])
+    index.store(model=name, pod=name + "@", tier="gpu", blocks=[A])
+
+    assert index.lookup(model=name, keys=[A.key], pods={name}) == [{name: frozenset({name})}]
+    assert index.pod_blocks(model=name) == sorted(
+        [PodBlocks(name, name, {name: 1}), PodBlocks(name, name + "@", {"gpu": 1})], key=lambda p: p.pod
+    )
+    assert index.resolve(model=name, pod=name, engine_hashes=[A.engine_hash]) == [A.digest]
+    assert index.clear_pod(pod=name, model=name) == 1
+    assert index.lookup(model=name, keys=[A.key]) == [{name + "@": GPU}]
+
+
+# -- concurrency -------------------------------------------------------------------------------
+
+
+def test_100_concurrent_writers_and_readers_leave_a_consistent_index(index: KVIndex) -> None:
+    blocks = chain(16)
+    errors: list[BaseException] = []
+    start = threading.Barrier(100)
+
+    def writer(n: int) -> None:
+        pod = f"pod{n}"
+        rng = random.Random(n)
+        start.wait()
+        for _ in range(5):
+            index.store(model=MODEL, pod=pod, tier="gpu", blocks=blocks)
+            index.store(model=MODEL, pod=pod, tier="cpu", blocks=blocks[:4])
+            index.remove(model=MODEL, pod=pod, tier="gpu", engine_hashes=hashes(rng.sample(blocks, 4)))
+        index.store(model=MODEL, pod=pod, tier="gpu", blocks=blocks)
+        index.remove(model=MODEL, pod=pod, tier="gpu", engine_hashes=hashes(blocks[8:]))
+
+    def reader(_: int) -> None:
+        start.wait()
+        for _ in range(10):
+            for holders in index.lookup(model=MODEL, keys=keys(blocks)):
+                assert holders and all(tiers <= {"gpu", "cpu"} for tiers in holders.values())
+            index.lookup(model=MODEL, keys=keys(blocks), pods={"pod0", "pod1"})
+            index.pod_blocks()
+
+    def run(target, n: int) -> None:
+        try:
+            target(n)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(writer if n % 2 else reader, n)) for n in range(100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert errors == []
+    writers = sorted(f"pod{n}" for n in range(1, 100, 2))
+    assert index.pod_blocks() == [PodBlocks(MODEL, pod, {"gpu": 8, "cpu": 4}) for pod in writers]
+    looked_up = index.lookup(model=MODEL, keys=keys(blocks))
+    assert looked_up[:4] == [dict.fromkeys(writers, frozenset({"gpu", "cpu"}))] * 4
+    assert looked_up[4:] == [dict.fromkeys(writers, GPU)] * 4
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=hashes(blocks[7:9])) == [
+        blocks[7].digest,
+        None,
+    ]

@@ -1,0 +1,183 @@
+"""The in-memory index: its bounds, what they evict, and that eviction keeps every map consistent."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scoring.index import MemoryIndex, PodBlocks, open_index
+from scoring.index.memory import DEFAULT_MAX_KEYS, DEFAULT_POD_CACHE_SIZE
+from scoring.keys import key_of
+from tests.index import MODEL, chain, hashes, keys
+
+A, B, C = chain(3)
+GPU = frozenset({"gpu"})
+
+
+def assert_consistent(index: MemoryIndex) -> None:
+    """The invariants stated in ``scoring.index.memory``, checked on its private state."""
+    entries = {(m, k, p, t) for (m, k), block in index._blocks.items() for p, t in block.holders}
+    reverse = {
+        (m, k, p, t)
+        for m, pods in index._pods.items()
+        for p, state in pods.items()
+        for t, ks in state.tiers.items()
+        for k in ks
+    }
+    assert entries == reverse
+    assert len(index._blocks) <= index.max_keys
+    for block in index._blocks.values():
+        assert 0 < len(block.holders) <= index.pod_cache_size
+    for pods in index._pods.values():
+        assert pods
+        for state in pods.values():
+            assert state.tiers and all(state.tiers.values())
+            linked = {h: k for k, hs in state.hashes_of.items() for h in hs}
+            assert linked == {h: key_of(d) for h, d in state.engine.items()}
+            assert all(state.holds(k) for k in state.hashes_of)
+
+
+def test_defaults_match_the_documented_bounds() -> None:
+    index = MemoryIndex()
+
+    assert (index.max_keys, index.pod_cache_size) == (DEFAULT_MAX_KEYS, DEFAULT_POD_CACHE_SIZE)
+    assert (DEFAULT_MAX_KEYS, DEFAULT_POD_CACHE_SIZE) == (10_000_000, 128)
+
+
+def test_a_third_key_evicts_the_first_when_two_fit() -> None:
+    index = MemoryIndex(max_keys=2)
+    for block in (A, B, C):
+        index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[block])
+
+    assert len(index) == 2
+    assert index.lookup(model=MODEL, keys=[A.key]) == []
+    assert index.lookup(model=MODEL, keys=[B.key, C.key]) == [{"pod1": GPU}] * 2
+    resolved = index.resolve(model=MODEL, pod="pod1", engine_hashes=hashes([A, B, C]))
+    assert resolved == [None, B.digest, C.digest]
+    assert index.pod_blocks() == [PodBlocks(MODEL, "pod1", {"gpu": 2})]
+    assert_consistent(index)
+
+
+def test_the_key_bound_counts_keys_across_models() -> None:
+    index = MemoryIndex(max_keys=2)
+    index.store(model="m1", pod="pod1", tier="gpu", blocks=[A])
+    index.store(model="m2", pod="pod1", tier="gpu", blocks=[A])
+    index.store(model="m3", pod="pod1", tier="gpu", blocks=[A])
+
+    assert [p.model for p in index.pod_blocks()] == ["m2", "m3"]
+    assert_consistent(index)
+
+
+def test_a_lookup_hit_makes_a_key_most_recent() -> None:
+    index = MemoryIndex(max_keys=2)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A, B])
+    index.lookup(model=MODEL, keys=[A.key])
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[C])
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": GPU}]
+    assert index.lookup(model=MODEL, keys=[B.key]) == []
+
+
+def test_storing_again_makes_a_key_most_recent() -> None:
+    index = MemoryIndex(max_keys=2)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A, B])
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=[A])
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[C])
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": GPU, "pod2": GPU}]
+    assert index.lookup(model=MODEL, keys=[B.key]) == []
+
+
+def test_a_store_larger_than_the_bound_keeps_its_last_blocks() -> None:
+    index = MemoryIndex(max_keys=2)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A, B, C])
+
+    assert index.lookup(model=MODEL, keys=[B.key, C.key]) == [{"pod1": GPU}] * 2
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[A.engine_hash]) == [None]
+    assert_consistent(index)
+
+
+def test_a_third_pod_evicts_the_first_when_two_fit_per_key() -> None:
+    index = MemoryIndex(pod_cache_size=2)
+    for pod in ("pod1", "pod2", "pod3"):
+        index.store(model=MODEL, pod=pod, tier="gpu", blocks=[A])
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod2": GPU, "pod3": GPU}]
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[A.engine_hash]) == [None]
+    assert [p.pod for p in index.pod_blocks()] == ["pod2", "pod3"]
+    assert_consistent(index)
+
+
+def test_the_pod_bound_counts_pod_and_tier_entries() -> None:
+    index = MemoryIndex(pod_cache_size=2)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    index.store(model=MODEL, pod="pod1", tier="cpu", blocks=[A])
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=[A])
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": {"cpu"}, "pod2": GPU}]
+    # pod1 still holds A on cpu, so its engine hash stays.
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[A.engine_hash]) == [A.digest]
+    assert_consistent(index)
+
+
+def test_storing_again_makes_a_pod_entry_most_recent() -> None:
+    index = MemoryIndex(pod_cache_size=2)
+    for pod in ("pod1", "pod2", "pod1", "pod3"):
+        index.store(model=MODEL, pod=pod, tier="gpu", blocks=[A])
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": GPU, "pod3": GPU}]
+
+
+def test_reverse_index_and_engine_map_stay_consistent_under_random_evictions() -> None:
+    rng = random.Random(7)
+    index = MemoryIndex(max_keys=12, pod_cache_size=3)
+    blocks = chain(20)
+    pods, tiers = ["p1", "p2", "p3", "p4", "p5"], ["gpu", "cpu"]
+    peak = 0
+    for step in range(600):
+        pod, tier = rng.choice(pods), rng.choice(tiers)
+        action = rng.random()
+        if action < 0.55:
+            start = rng.randrange(20)
+            index.store(model=rng.choice(["m1", "m2"]), pod=pod, tier=tier, blocks=blocks[start : start + 6])
+        elif action < 0.85:
+            index.remove(model="m1", pod=pod, tier=tier, engine_hashes=hashes(rng.sample(blocks, 5)))
+        elif action < 0.95:
+            index.lookup(model="m2", keys=keys(blocks[: rng.randrange(20)]))
+        else:
+            index.clear_pod(pod=pod, model=None if step % 2 else "m1")
+        assert_consistent(index)
+        peak = max(peak, len(index))
+    assert peak == index.max_keys  # the workload reaches the bound, so evictions did happen
+
+
+def test_close_empties_the_index() -> None:
+    index = MemoryIndex()
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    index.close()
+
+    assert len(index) == 0 and index.pod_blocks() == []
+
+
+@pytest.mark.parametrize("options", [{"max_keys": 0}, {"pod_cache_size": 0}])
+def test_bounds_must_be_positive(options: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        MemoryIndex(**options)
+
+
+def test_open_index_reads_memory_options_from_the_url() -> None:
+    index = open_index("memory://?max_keys=1_000&pod_cache_size=3")
+
+    assert isinstance(index, MemoryIndex)
+    assert (index.max_keys, index.pod_cache_size) == (1000, 3)
+    assert open_index("memory://?max_keys=5", max_keys=7).max_keys == 7
+    assert open_index("memory://").max_keys == DEFAULT_MAX_KEYS
+
+
+@pytest.mark.parametrize(
+    "url", ["memory://?max_key=5", "memory://?max_keys=lots", "postgres://localhost/db", "localhost:6379"]
+)
+def test_open_index_rejects_what_it_cannot_open(url: str) -> None:
+    with pytest.raises(ValueError):
+        open_index(url)

@@ -1,0 +1,245 @@
+"""The Redis/Valkey index: its key layout, Cluster readiness, atomicity, round trips, failures,
+and agreement with the in-memory index on a random workload."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from scoring.index import IndexUnavailable, MemoryIndex, open_index
+from scoring.index.redis import RedisIndex, decode_name, encode_name
+from scoring.keys import key_of
+from tests.index import MODEL, chain, hashes, keys
+from tests.servers import free_port
+
+A, B = chain(2)
+GPU = frozenset({"gpu"})
+
+
+@pytest.fixture
+def server(redis_url: str) -> Iterator[redis.Redis]:
+    """A plain client on the test server, to look behind the index's back."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def index(redis_url: str) -> Iterator[RedisIndex]:
+    idx = RedisIndex.from_url(redis_url, client_name="kv-index-under-test")
+    yield idx
+    idx.close()
+
+
+def hash_tag(key: bytes) -> bytes:
+    """The part of a key Redis Cluster hashes: between the first ``{`` and the next ``}``."""
+    start = key.index(b"{")
+    return key[start + 1 : key.index(b"}", start + 1)]
+
+
+def assert_consistent(server: redis.Redis) -> None:
+    """The invariants of the module docstring, read straight from the server."""
+    blocks: set[tuple[bytes, bytes, bytes]] = set()  # (model tag, K, "P@T")
+    reverse: set[tuple[bytes, bytes, bytes]] = set()
+    listed: set[tuple[bytes, bytes]] = set()  # (model tag, "P@T") in the pods sets
+    engine_maps: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}  # (model tag, P) -> map
+    hashes_of: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}
+    for name in server.scan_iter(match=b"kv:{*"):
+        tag = hash_tag(name)
+        kind = name[len(tag) + 6 :]  # after "kv:{" tag "}:"
+        if kind.startswith(b"b:"):
+            blocks |= {(tag, kind[2:], entry) for entry in server.get(name).split(b" ")}
+        elif kind == b"pods":
+            listed |= {(tag, entry) for entry in server.smembers(name)}
+        elif kind.endswith(b":e"):
+            engine_maps[tag, kind[2:-2]] = server.hgetall(name)
+        elif kind.endswith(b":k"):
+            hashes_of[tag, kind[2:-2]] = server.hgetall(name)
+        elif b":t:" in kind:
+            pod, tier = kind[2:].split(b":t:")
+            reverse |= {(tag, k, pod + b"@" + tier) for k in server.smembers(name)}
+    assert blocks == reverse
+    assert listed == {(tag, entry) for tag, _, entry in reverse}
+    assert hashes_of.keys() == engine_maps.keys()
+    for (tag, pod), engine in engine_maps.items():
+        key_of_hash = {h: b"%016x" % key_of(digest) for h, digest in engine.items()}
+        linked = {h: k for k, hs in hashes_of[tag, pod].items() for h in hs.split(b" ")}
+        assert linked == key_of_hash
+        held = {k for t, k, entry in reverse if t == tag and entry.split(b"@")[0] == pod}
+        assert set(key_of_hash.values()) <= held
+
+
+# -- layout -------------------------------------------------------------------------------------
+
+
+def test_keys_follow_the_documented_layout(index: RedisIndex, server: redis.Redis) -> None:
+    index.store(model="Qwen/Qwen3-0.6B", pod="10.0.0.1:8000", tier="gpu", blocks=[A])
+
+    m, p = "Qwen%2FQwen3-0.6B", "10.0.0.1%3A8000"
+    k = f"{A.key:016x}"
+    assert sorted(server.scan_iter()) == sorted(
+        name.encode()
+        for name in (
+            f"kv:{{{m}}}:b:{k}",
+            f"kv:{{{m}}}:p:{p}:t:gpu",
+            f"kv:{{{m}}}:p:{p}:e",
+            f"kv:{{{m}}}:p:{p}:k",
+            f"kv:{{{m}}}:pods",
+            "kv:models",
+        )
+    )
+    assert server.get(f"kv:{{{m}}}:b:{k}") == f"{p}@gpu".encode()
+    assert server.hgetall(f"kv:{{{m}}}:p:{p}:e") == {str(A.engine_hash).encode(): A.digest}
+    assert server.smembers("kv:models") == {b"Qwen/Qwen3-0.6B"}
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen3-0.6B", "a}b{c", "{x}", "", "%"])
+def test_every_key_of_a_model_is_in_one_cluster_slot(
+    index: RedisIndex, server: redis.Redis, model: str
+) -> None:
+    index.store(model=model, pod="pod{1}", tier="gpu", blocks=[A, B])
+    index.store(model=model, pod="pod:2", tier="cpu", blocks=[A])
+
+    names = [name for name in server.scan_iter() if name != b"kv:models"]
+    assert len(names) == 9  # 2 blocks, 3 per pod, the pods set
+    assert {hash_tag(name) for name in names} == {encode_name(model)}
+    assert len({key_slot(name) for name in names}) == 1
+
+
+@pytest.mark.parametrize("name", ["", "%", "a@b", "a b", "{}", "ü/:"])
+def test_encoded_names_carry_no_separator_and_decode_back(name: str) -> None:
+    encoded = encode_name(name)
+
+    assert encoded and not set(encoded.decode()) & set("@:{} /")
+    assert decode_name(encoded) == name
+
+
+def test_namespace_separates_two_indexes_on_one_server(redis_url: str) -> None:
+    first, second = open_index(redis_url), open_index(redis_url, namespace="other")
+    first.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+
+    assert second.lookup(model=MODEL, keys=[A.key]) == []
+    assert second.pod_blocks() == []
+    with pytest.raises(ValueError):
+        open_index(redis_url, namespace="a{b}")
+
+
+# -- atomicity and round trips ---------------------------------------------------------------------
+
+
+def test_readers_see_a_store_or_a_clear_whole_or_not_at_all(index: RedisIndex) -> None:
+    blocks = chain(256)
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            seen.add(len(index.lookup(model=MODEL, keys=keys(blocks))))
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for r in readers:
+        r.start()
+    try:
+        for _ in range(15):
+            index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+            index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks))
+            index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+            index.clear_pod(pod="pod1", model=MODEL)
+    finally:
+        stop.set()
+        for r in readers:
+            r.join()
+
+    assert seen <= {0, 256}
+    assert seen == {0, 256}  # the readers did overlap the writes
+
+
+def _commands_sent(server: redis.Redis, client_name: str) -> int:
+    return sum(int(c["tot-cmds"]) for c in server.client_list() if c["name"] == client_name)
+
+
+def test_a_lookup_is_one_command_and_one_round_trip(index: RedisIndex, server: redis.Redis) -> None:
+    blocks = chain(512)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    index.lookup(model=MODEL, keys=keys(blocks))  # the connection is set up and reused from here
+    before = _commands_sent(server, "kv-index-under-test")
+
+    result = index.lookup(model=MODEL, keys=keys(blocks), pods={"pod1"})
+
+    assert len(result) == 512
+    assert _commands_sent(server, "kv-index-under-test") - before == 1
+
+
+def test_scripts_are_loaded_again_after_a_script_flush(index: RedisIndex, server: redis.Redis) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    server.script_flush()
+
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[B])
+
+    assert index.lookup(model=MODEL, keys=[A.key, B.key]) == [{"pod1": GPU}] * 2
+
+
+# -- failures ---------------------------------------------------------------------------------------
+
+
+def test_an_unreachable_server_is_index_unavailable() -> None:
+    index = open_index(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
+
+    with pytest.raises(IndexUnavailable):
+        index.ping()
+    with pytest.raises(IndexUnavailable):
+        index.lookup(model=MODEL, keys=[A.key])
+    with pytest.raises(IndexUnavailable):
+        index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    with pytest.raises(IndexUnavailable):
+        index.pod_blocks()
+
+
+def test_responses_must_stay_bytes(redis_url: str) -> None:
+    with pytest.raises(ValueError):
+        open_index(redis_url, decode_responses=True)
+
+
+# -- agreement with the in-memory index -------------------------------------------------------------
+
+
+def test_agrees_with_the_memory_index_on_a_random_workload(index: RedisIndex, server: redis.Redis) -> None:
+    rng = random.Random(11)
+    oracle = MemoryIndex()  # unbounded for this workload: nothing is evicted
+    # Two engines that hash differently, reusing engine hashes 77.. for different blocks.
+    blocks = chain(12) + chain(4, first_token=1000, engine_hash_offset=77)
+    blocks += chain(3, first_token=2000, engine_hash_offset=77)
+    models, pods, tiers = ["m1", "m@2"], ["p1", "p:2", "p@3"], ["gpu", "cpu"]
+    for step in range(300):
+        model, pod, tier = rng.choice(models), rng.choice(pods), rng.choice(tiers)
+        action = rng.random()
+        if action < 0.5:
+            start = rng.randrange(len(blocks))
+            args = {"model": model, "pod": pod, "tier": tier, "blocks": blocks[start : start + 5]}
+            index.store(**args)
+            oracle.store(**args)
+        elif action < 0.85:
+            args = {"model": model, "pod": pod, "tier": tier, "engine_hashes": hashes(rng.sample(blocks, 4))}
+            assert index.remove(**args) == oracle.remove(**args)
+        elif action < 0.95:
+            assert index.clear_pod(pod=pod, model=model) == oracle.clear_pod(pod=pod, model=model)
+        else:
+            assert index.clear_model(model=model) == oracle.clear_model(model=model)
+        if step % 10 == 0:
+            assert_consistent(server)
+        for m in models:
+            for wanted in (None, {pod}):
+                assert index.lookup(model=m, keys=keys(blocks), pods=wanted) == oracle.lookup(
+                    model=m, keys=keys(blocks), pods=wanted
+                )
+            assert index.resolve(model=m, pod=pod, engine_hashes=hashes(blocks)) == oracle.resolve(
+                model=m, pod=pod, engine_hashes=hashes(blocks)
+            )
+    assert index.pod_blocks() == oracle.pod_blocks()
+    assert index.pod_blocks() != []
+    assert_consistent(server)
