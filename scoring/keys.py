@@ -68,7 +68,9 @@ def _uint_head(major: int, n: int) -> bytes:
 # per token plus one join. Larger ids fall back to _uint_head.
 _TOKEN_TABLE_SIZE = 1 << 18
 _TOKEN_TABLE: tuple[bytes, ...] = tuple(_uint_head(0, n) for n in range(_TOKEN_TABLE_SIZE))
-_DIGEST_HEAD = b"\x58\x20"  # byte string of length 32
+# Array heads for every token count up to 1023 (block sizes in practice are 16..256).
+_ARRAY_HEADS: tuple[bytes, ...] = tuple(_uint_head(4, n) for n in range(1024))
+_BLOCK_HEAD_32 = b"\x83\x58\x20"  # a 3-element array, then a 32-byte string: the usual parent
 _NIL = b"\xf6"
 
 
@@ -80,19 +82,52 @@ def _encode_token(t: int) -> bytes:
     return _uint_head(0, t)
 
 
+def _encode_tokens(tokens: Sequence[int]) -> list[bytes]:
+    """The CBOR of each token id, in order. ValueError for an id outside uint64."""
+    try:
+        # A negative id would index the table from its end: filter it out and notice below.
+        encoded = [_TOKEN_TABLE[t] for t in tokens if t >= 0]
+    except IndexError:
+        encoded = []
+    if len(encoded) != len(tokens):
+        encoded = [_encode_token(t) for t in tokens]
+    return encoded
+
+
+def _block_head(parent: Digest) -> bytes:
+    """The array head plus the parent's byte-string head: the bytes before ``parent``."""
+    return _BLOCK_HEAD_32 if len(parent) == 32 else b"\x83" + _uint_head(2, len(parent))
+
+
+def _array_head(n: int) -> bytes:
+    return _ARRAY_HEADS[n] if n < len(_ARRAY_HEADS) else _uint_head(4, n)
+
+
+def _encode_extra(extra: ExtraKeys) -> bytes:
+    if extra is None:
+        return _NIL
+    if all(type(k) is str for k in extra):
+        return _encode_str_extra(tuple(extra))
+    return cbor2.dumps(list(extra), canonical=True)
+
+
+@lru_cache(maxsize=1024)
+def _encode_str_extra(extra: tuple[str, ...]) -> bytes:
+    """Extra keys made of strings only (LoRA name, multimodal hashes, cache salt) repeat block
+    after block. Cached by value, which is safe only because a str never equals a non-str (the
+    int 1, True and 1.0 are equal dict keys but encode differently)."""
+    return cbor2.dumps(list(extra), canonical=True)
+
+
 def encode_block(parent: Digest, tokens: Sequence[int], extra: ExtraKeys = None) -> bytes:
     """Canonical CBOR of ``[parent, tokens, extra]``, byte-identical to
-    ``cbor2.dumps([parent, list(tokens), extra], canonical=True)`` (a property test holds it to
-    that). ``extra`` other than ``None`` goes through cbor2, which is rare (LoRA, multimodal)."""
-    n = len(tokens)
-    head = b"\x83" + _uint_head(2, len(parent)) + parent + _uint_head(4, n)
-    try:
-        body = b"".join(map(_TOKEN_TABLE.__getitem__, tokens))
-    except (IndexError, TypeError):
-        body = b"".join(map(_encode_token, tokens))
-    if extra is None:
-        return head + body + _NIL
-    return head + body + cbor2.dumps(list(extra), canonical=True)
+    ``cbor2.dumps([parent, list(tokens), extra], canonical=True)`` for token ids in uint64 (a
+    property test holds it to that); ValueError for an id outside. ``extra`` other than ``None``
+    is encoded by cbor2, and cached when it holds strings only (a LoRA name)."""
+    parts = [_block_head(parent), parent, _array_head(len(tokens))]
+    parts += _encode_tokens(tokens)
+    parts.append(_encode_extra(extra))
+    return b"".join(parts)
 
 
 def block_digest(parent: Digest, tokens: Sequence[int], extra: ExtraKeys = None) -> Digest:
@@ -107,18 +142,24 @@ def chain_digests(
     parent: Digest,
     extra: ExtraKeys = None,
 ) -> list[Digest]:
-    """Digests of every full block of ``tokens``, chained from ``parent``.
+    """Digests of every full block of ``tokens``, chained from ``parent``; the same digests as
+    calling :func:`block_digest` block after block.
 
     ``extra`` is applied to every block (vLLM puts the LoRA name in each block's extra keys).
     A trailing partial block is dropped, as vLLM never hashes one.
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
+    n = len(tokens) // block_size * block_size
+    # Only the parent differs from block to block: encode the tokens and the extra keys once.
+    encoded = _encode_tokens(tokens[:n])
+    array_head, tail = _array_head(block_size), _encode_extra(extra)
+    join = b"".join
     out: list[Digest] = []
-    n_full = len(tokens) // block_size
     prev = parent
-    for i in range(n_full):
-        prev = _sha256(encode_block(prev, tokens[i * block_size : (i + 1) * block_size], extra)).digest()
+    for i in range(0, n, block_size):
+        body = join(encoded[i : i + block_size])
+        prev = _sha256(join((_block_head(prev), prev, array_head, body, tail))).digest()
         out.append(prev)
     return out
 
