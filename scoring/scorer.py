@@ -1,0 +1,60 @@
+"""Longest-prefix scoring: how much of a prompt's block chain each pod already holds.
+
+Pods holding block 0 start active; walking the keys, the active set is intersected with each
+block's holders, and every pod still active adds the weight of its best tier for that block.
+The walk ends when no pod is active. Pods that miss block 0 are absent from the result. This is
+the reference's algorithm (upstream-parity.md, read path 5), with configurable tier weights and
+the matched block count and normalised score reported beside the raw score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from scoring.index import HolderMap
+
+
+@dataclass(frozen=True, slots=True)
+class PodScore:
+    """One pod's result. ``tier`` is the slowest tier the matched prefix is held on: the lowest
+    weighted of the pod's best tiers over the matched blocks ("gpu" when all of it is on GPU)."""
+
+    score: float
+    matched_blocks: int
+    normalized: float
+    tier: str
+
+
+def longest_prefix_scores(
+    holders: Sequence[HolderMap], *, total_blocks: int, tier_weight: Callable[[str], float]
+) -> dict[str, PodScore]:
+    """Scores from ``holders`` (the index's answer for the prompt's keys, in order).
+
+    ``total_blocks`` is the number of full blocks in the request (for ``normalized``).
+    """
+    if not holders or not holders[0]:
+        return {}
+    active = set(holders[0])
+    score = dict.fromkeys(active, 0.0)
+    matched = dict.fromkeys(active, 0)
+    weakest: dict[str, tuple[float, str]] = {}
+    for block in holders:
+        active.intersection_update(block)
+        if not active:
+            break
+        for pod in active:
+            best_weight, best_tier = max((tier_weight(t), t) for t in block[pod])
+            score[pod] += best_weight
+            matched[pod] += 1
+            if pod not in weakest or best_weight < weakest[pod][0]:
+                weakest[pod] = (best_weight, best_tier)
+    return {
+        pod: PodScore(
+            score=score[pod],
+            matched_blocks=matched[pod],
+            normalized=matched[pod] / total_blocks if total_blocks else 0.0,
+            tier=weakest[pod][1],
+        )
+        for pod in sorted(score)
+    }
