@@ -1,0 +1,22 @@
+# The service image: web (daphne) by default; run `python manage.py ingest` from the same image
+# for the event consumer. Needs REDIS_URL (and DATABASE_URL for a shared registry) at run time.
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    KVCACHE_VAR_DIR=/var/lib/kvcache \
+    HF_HUB_OFFLINE=1
+
+WORKDIR /app
+COPY requirements.txt .
+RUN pip install --no-cache-dir -r requirements.txt
+
+COPY . .
+RUN mkdir -p "$KVCACHE_VAR_DIR" \
+    && SECRET_KEY=build-only python manage.py collectstatic --noinput -v 0 \
+    && useradd --system --home /app kvcache \
+    && chown -R kvcache "$KVCACHE_VAR_DIR"
+USER kvcache
+
+EXPOSE 8000 5557
+CMD ["sh", "-c", "python manage.py migrate --noinput && exec daphne -b 0.0.0.0 -p 8000 kvsite.asgi:application"]
