@@ -1,0 +1,280 @@
+"""What a run measured, summarised: percentiles, hit rates, the table, the JSON document.
+
+Definitions (the summary's keys):
+
+- ``ttft_s`` / ``e2e_s``: p50/p90/p99 over successful requests, seconds from sending the
+  request to the pod (after routing) to its first text chunk / to ``[DONE]``. Percentiles
+  interpolate linearly between order statistics (numpy's default method).
+- ``output_tokens_per_s``: output tokens of successful requests over the run's span (first
+  request sent to last one finished).
+- ``fleet_hit_rate``: sum over pods of the growth of ``vllm:prefix_cache_hits_total`` divided
+  by the growth of ``vllm:prefix_cache_queries_total`` between the scrapes before and after the
+  run (tokens). Pods that did not answer both scrapes are left out (``metrics_pods`` says how
+  many counted); None when no pod counted or nothing was queried.
+- ``usage_hit_rate``: the same from the responses, cached_tokens / prompt_tokens.
+- ``oracle_hit_rate_est``: what a router with perfect knowledge and unbounded caches could reach,
+  estimated on prompt text: each prompt's longest prefix (in whole 64-character chunks, the
+  stand-in for KV blocks) shared with any earlier prompt or prompt + answer, over all prompt
+  characters (successful requests only). Characters stand in for tokens, so it is an estimate.
+- ``route_ms``: p50/p99 from taking a concurrency slot to sending to the pod: the score call
+  (made for every router unless score observation is off) plus the choice.
+- ``best_score_share``: among requests whose scores were known and where some pod scored above 0,
+  the share sent to a pod with the highest score (``best_score_requests`` is that denominator).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from simulator.loadgen.client import PREFIX_HITS, PREFIX_QUERIES
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request of a run. Times in seconds; ``sent_at`` / ``done_at`` from the run's start.
+    ``best_score`` is None when the scores were unknown or every pod scored 0."""
+
+    seq: int
+    session: str
+    turn: int
+    pod: str
+    ok: bool
+    error: str | None
+    ttft: float | None
+    e2e: float | None
+    output_tokens: int
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    route_s: float
+    best_score: bool | None
+    sent_at: float
+    done_at: float
+
+
+@dataclass
+class StepResult:
+    """One run: one router at one QPS, everything needed for its summary."""
+
+    router: str
+    qps: float
+    records: list[RequestRecord]
+    metrics_before: dict[str, dict[str, float] | None]
+    metrics_after: dict[str, dict[str, float] | None]
+    score_calls: int = 0
+    score_failures: int = 0
+    fallbacks: int = 0
+    oracle_hit_chars: int = 0
+    oracle_total_chars: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError("q must be within 0..100")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    return {f"p{q}": percentile(values, q) for q in qs}
+
+
+def fleet_hit_rate(
+    before: dict[str, dict[str, float] | None], after: dict[str, dict[str, float] | None]
+) -> tuple[float | None, float, float, int]:
+    """(hit rate, hits, queries, pods counted) from two scrapes of the pods' /metrics."""
+    hits = queries = 0.0
+    counted = 0
+    for pod, start in before.items():
+        end = after.get(pod)
+        if start is None or end is None or PREFIX_QUERIES not in end:
+            continue
+        counted += 1
+        hits += end.get(PREFIX_HITS, 0.0) - start.get(PREFIX_HITS, 0.0)
+        queries += end[PREFIX_QUERIES] - start.get(PREFIX_QUERIES, 0.0)
+    rate = hits / queries if queries > 0 else None
+    return rate, hits, queries, counted
+
+
+class OracleEstimate:
+    """How much of each prompt a perfect router with unbounded caches could serve from cache.
+
+    Texts are cut into ``chunk``-character pieces keyed by a chain hash (each key covers the
+    whole prefix up to it, as KV block keys do), so a prompt's reusable prefix is its run of
+    leading chunks whose keys were seen before; only whole chunks count, as only full blocks are
+    cached. Shared prefixes are stored once: memory grows with distinct text, not requests.
+    """
+
+    def __init__(self, chunk: int = 64) -> None:
+        if chunk < 1:
+            raise ValueError("chunk must be at least 1 character")
+        self.chunk = chunk
+        self._seen: set[int] = set()
+        self.hit_chars = 0
+        self.total_chars = 0
+
+    def _keys(self, text: str) -> list[int]:
+        keys, key = [], 0
+        for start in range(0, len(text) - self.chunk + 1, self.chunk):
+            key = hash((key, text[start : start + self.chunk]))
+            keys.append(key)
+        return keys
+
+    def observe(self, prompt: str, answer_suffix: str) -> int:
+        """Count ``prompt`` and its reusable prefix (characters), then remember the chunks of
+        ``prompt + answer_suffix`` (the answer is cached too, for the next turn)."""
+        keys = self._keys(prompt + answer_suffix)
+        reusable = 0
+        for key in keys[: len(prompt) // self.chunk]:
+            if key not in self._seen:
+                break
+            reusable += self.chunk
+        self._seen.update(keys)
+        self.hit_chars += reusable
+        self.total_chars += len(prompt)
+        return reusable
+
+    @property
+    def rate(self) -> float | None:
+        return self.hit_chars / self.total_chars if self.total_chars else None
+
+
+def summarize(step: StepResult) -> dict:
+    """The summary of one run (keys documented in this module's docstring)."""
+    records = step.records
+    ok = [r for r in records if r.ok]
+    hit_rate, hits, queries, counted = fleet_hit_rate(step.metrics_before, step.metrics_after)
+    span = (max(r.done_at for r in records) - min(r.sent_at for r in records)) if records else 0.0
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok if r.prompt_tokens is not None)
+    cached_tokens = sum(r.cached_tokens or 0 for r in ok if r.prompt_tokens is not None)
+    judged = [r.best_score for r in records if r.best_score is not None]
+    return {
+        "router": step.router,
+        "qps": step.qps,
+        "requests": len(records),
+        "ok": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": span,
+        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "e2e_s": percentiles([r.e2e for r in ok if r.e2e is not None]),
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / span if span > 0 else None,
+        "fleet_hit_rate": hit_rate,
+        "fleet_prefix_hits": hits,
+        "fleet_prefix_queries": queries,
+        "metrics_pods": counted,
+        "usage_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
+        "oracle_hit_rate_est": (
+            step.oracle_hit_chars / step.oracle_total_chars if step.oracle_total_chars else None
+        ),
+        "best_score_share": sum(judged) / len(judged) if judged else None,
+        "best_score_requests": len(judged),
+        "score_calls": step.score_calls,
+        "score_failures": step.score_failures,
+        "score_fallbacks": step.fallbacks,
+        "route_ms": percentiles([1000 * r.route_s for r in records], (50, 99)),
+        "pod_requests": dict(sorted(Counter(r.pod for r in records).items())),
+        "errors": dict(Counter(r.error for r in records if r.error).most_common(5)),
+        "notes": list(step.notes),
+    }
+
+
+COLUMNS = (
+    ("router", "router"),
+    ("qps", "qps"),
+    ("ok", "ok"),
+    ("failed", "fail"),
+    ("ttft_s.p50", "TTFT p50"),
+    ("ttft_s.p90", "p90"),
+    ("ttft_s.p99", "p99"),
+    ("e2e_s.p50", "E2E p50"),
+    ("e2e_s.p90", "p90"),
+    ("e2e_s.p99", "p99"),
+    ("output_tokens_per_s", "out tok/s"),
+    ("fleet_hit_rate", "hit rate"),
+    ("oracle_hit_rate_est", "oracle~"),
+    ("best_score_share", "best pick"),
+    ("score_fallbacks", "fallbacks"),
+)
+
+
+def _cell(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if key.endswith("_rate") or key.endswith("_est") or key.endswith("_share"):
+        return f"{100 * value:.1f}%"
+    if key.startswith(("ttft_s", "e2e_s")):
+        return f"{value:.3f}"
+    if key == "qps":
+        return "inf" if math.isinf(value) else f"{value:g}"
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    return str(value)
+
+
+def _lookup(summary: dict, dotted: str):
+    value = summary
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def render_table(summaries: list[dict]) -> str:
+    """A fixed-width text table, one row per run; latencies in seconds."""
+    header = [title for _, title in COLUMNS]
+    rows = [[_cell(key, _lookup(s, key)) for key, _ in COLUMNS] for s in summaries]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(COLUMNS))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
+
+    rule = "-" * len(line(header))
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def machine() -> dict:
+    """Where the run happened (for the JSON document)."""
+    return {
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": datetime.now(UTC).isoformat(),
+    }
+
+
+def results_document(summaries: list[dict], params: dict) -> dict:
+    """The machine-readable results: parameters, machine, one summary per run."""
+    return {"params": params, "machine": machine(), "runs": summaries}
+
+
+def write_json(path: str | Path, document: dict) -> Path:
+    """Write ``document`` as strict JSON (an infinite QPS is written as the string "inf")."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(document), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value

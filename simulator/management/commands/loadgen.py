@@ -1,0 +1,250 @@
+"""``python manage.py loadgen``: an OpenAI workload against a vLLM fleet, routed per request.
+
+A thin shell around :mod:`simulator.loadgen`: it turns options into a ``LoadgenConfig`` and a
+``WorkloadSpec``, runs every router at every QPS of the ladder (``run_ladder``), prints the
+summary table and writes the JSON results. The formulas behind each column are in
+``simulator/loadgen/report.py``, the routers in ``simulator/loadgen/routers.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from functools import partial
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from simulator.loadgen.report import render_table, results_document, summarize, write_json
+from simulator.loadgen.routers import DEFAULT_ALPHA, ROUTER_NAMES
+from simulator.loadgen.runner import (
+    DEFAULT_MODEL,
+    DEFAULT_SCORE_URL,
+    LoadgenConfig,
+    fleet_from_base,
+    parse_pod,
+    parse_qps,
+    run_ladder,
+    tqdm_progress,
+)
+from simulator.loadgen.workload import WorkloadSpec
+
+
+class Command(BaseCommand):
+    help = (
+        "Send a shared-prefix OpenAI workload to a vLLM fleet, choosing each request's pod with a "
+        "router (kv, kv-load, least-loaded, random, round-robin), and report TTFT, latency, "
+        "throughput and prefix-cache hit rates per router and QPS."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        fleet = parser.add_argument_group("fleet")
+        fleet.add_argument(
+            "--pods-url",
+            metavar="URL",
+            help="Base URL of pod sim-0, e.g. http://127.0.0.1:8100; pod sim-i is on its port + i.",
+        )
+        fleet.add_argument("--pods", type=int, default=None, metavar="N", help="Pod count with --pods-url.")
+        fleet.add_argument(
+            "--pod",
+            action="append",
+            default=[],
+            metavar="POD=URL",
+            help="A pod and its base URL, e.g. sim-0=http://127.0.0.1:8100 (repeatable).",
+        )
+        fleet.add_argument("--model", default=DEFAULT_MODEL, help=f"Model name (default {DEFAULT_MODEL}).")
+        endpoint = fleet.add_mutually_exclusive_group()
+        endpoint.add_argument(
+            "--chat",
+            dest="chat",
+            action="store_true",
+            default=True,
+            help="Use /v1/chat/completions with messages (default).",
+        )
+        endpoint.add_argument(
+            "--completions", dest="chat", action="store_false", help="Use /v1/completions with a prompt."
+        )
+
+        routing = parser.add_argument_group("routing")
+        routing.add_argument(
+            "--router",
+            action="append",
+            default=[],
+            metavar="NAME[,NAME...]",
+            help=f"Router(s) to run, each a full run: {', '.join(ROUTER_NAMES)} (default kv; repeatable).",
+        )
+        routing.add_argument(
+            "--score-url", default=DEFAULT_SCORE_URL, help=f"Scoring API (default {DEFAULT_SCORE_URL})."
+        )
+        routing.add_argument(
+            "--api-key",
+            default=None,
+            help="Bearer key for the scoring API (default: the first of KVCACHE_API_KEYS, if set).",
+        )
+        routing.add_argument(
+            "--score-timeout", type=float, default=5.0, help="Seconds per score call (default 5)."
+        )
+        routing.add_argument(
+            "--alpha",
+            type=float,
+            default=DEFAULT_ALPHA,
+            help=f"kv-load: score/blocks - alpha * in-flight (default {DEFAULT_ALPHA}).",
+        )
+        routing.add_argument(
+            "--no-observe-scores",
+            dest="observe_scores",
+            action="store_false",
+            help="Do not call the scoring API for non-kv routers (no 'best pick' column for them).",
+        )
+
+        load = parser.add_argument_group("load")
+        load.add_argument(
+            "--qps",
+            default="4",
+            help="Requests per second (Poisson arrivals), or a ladder such as 2,4,8; inf = all at once.",
+        )
+        length = load.add_mutually_exclusive_group()
+        length.add_argument("--requests", type=int, default=None, help="Requests per run.")
+        length.add_argument("--duration", type=float, default=None, help="Seconds of arrivals per run.")
+        load.add_argument(
+            "--concurrency", type=int, default=256, help="Requests in flight at most (default 256)."
+        )
+        load.add_argument(
+            "--max-tokens", type=int, default=64, help="Output tokens per request (default 64)."
+        )
+        load.add_argument("--timeout", type=float, default=300.0, help="Seconds per request (default 300).")
+        load.add_argument("--seed", type=int, default=0, help="Seed of the workload, arrivals and routers.")
+        load.add_argument(
+            "--keep-cache",
+            dest="reset_prefix_cache",
+            action="store_false",
+            help="Do not POST /reset_prefix_cache to every pod before each run.",
+        )
+        load.add_argument(
+            "--settle",
+            type=float,
+            default=1.0,
+            help="Seconds to wait after resetting the caches, for the index to catch up (default 1).",
+        )
+
+        workload = parser.add_argument_group("workload")
+        workload.add_argument(
+            "--groups", type=int, default=8, help="Groups sharing a system prompt (default 8)."
+        )
+        workload.add_argument(
+            "--system-prompt-tokens", type=int, default=2000, help="Approximate system prompt length."
+        )
+        workload.add_argument(
+            "--questions-per-group", type=int, default=16, help="Distinct sessions per group (default 16)."
+        )
+        workload.add_argument(
+            "--question-tokens", type=int, default=24, help="Approximate user message length (default 24)."
+        )
+        workload.add_argument(
+            "--turns", type=int, default=1, help="Turns per session; > 1 makes multi-turn chats."
+        )
+        workload.add_argument(
+            "--active-sessions",
+            type=int,
+            default=0,
+            help="Multi-turn sessions interleaved at a time (default 4 x groups).",
+        )
+
+        output = parser.add_argument_group("output")
+        output.add_argument("--json-out", metavar="FILE", help="Write the results as JSON here.")
+        output.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bar.")
+
+    def handle(self, *args, **options) -> None:
+        # httpx logs every request at INFO: thousands of lines that would bury the progress bar.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        try:
+            config = self.config(options)
+            routers = [name.strip() for value in options["router"] or ["kv"] for name in value.split(",")]
+            unknown = [name for name in routers if name not in ROUTER_NAMES]
+            if unknown:
+                raise ValueError(f"unknown router {unknown[0]!r}: choose from {', '.join(ROUTER_NAMES)}")
+            ladder = parse_qps(options["qps"])
+        except ValueError as e:
+            raise CommandError(str(e)) from e
+
+        requests, duration = options["requests"], options["duration"]
+        if (requests is not None and requests < 1) or (duration is not None and not duration > 0):
+            raise CommandError("--requests and --duration must be positive")
+        if duration is not None and any(math.isinf(q) for q in ladder):
+            raise CommandError("--qps inf sends everything at once: give --requests, not --duration")
+        results = asyncio.run(
+            run_ladder(
+                config,
+                routers=routers,
+                qps=ladder,
+                requests=requests,
+                duration=duration,
+                progress=partial(tqdm_progress, disable=not options["progress"]),
+            )
+        )
+        summaries = [summarize(step) for step in results]
+        self.stdout.write(render_table(summaries))
+        for summary in summaries:
+            rate = "inf" if math.isinf(summary["qps"]) else f"{summary['qps']:g}"
+            for note in summary["notes"]:
+                self.stdout.write(f"{summary['router']} @ {rate} qps: {note}")
+            for error, count in summary["errors"].items():
+                self.stdout.write(f"{summary['router']} @ {rate} qps: {count} x {error}")
+        if options["json_out"]:
+            params = {
+                "routers": routers,
+                "qps": ladder,
+                "requests": requests,
+                "duration": duration,
+                **config.describe(),
+            }
+            path = write_json(options["json_out"], results_document(summaries, params))
+            self.stdout.write(f"results: {path}")
+
+    @staticmethod
+    def config(options: dict) -> LoadgenConfig:
+        """The run configuration from the command's options; ValueError says what to fix."""
+        pods: dict[str, str] = {}
+        if options["pods_url"]:
+            if options["pods"] is None:
+                raise ValueError("--pods-url needs --pods N (how many pods, ports base..base+N-1)")
+            pods.update(fleet_from_base(options["pods_url"], options["pods"]))
+        elif options["pods"] is not None:
+            raise ValueError("--pods needs --pods-url")
+        for option in options["pod"]:
+            pod, url = parse_pod(option)
+            if pod in pods:
+                raise ValueError(f"pod {pod!r} given twice")
+            pods[pod] = url
+        if not pods:
+            raise ValueError("no pods: give --pods-url URL --pods N, or --pod POD=URL (repeatable)")
+        api_key = options["api_key"]
+        if api_key is None and settings.KVCACHE_API_KEYS:
+            api_key = settings.KVCACHE_API_KEYS[0]
+        workload = WorkloadSpec(
+            groups=options["groups"],
+            system_prompt_tokens=options["system_prompt_tokens"],
+            questions_per_group=options["questions_per_group"],
+            question_tokens=options["question_tokens"],
+            turns=options["turns"],
+            seed=options["seed"],
+            active_sessions=options["active_sessions"],
+        )
+        return LoadgenConfig(
+            pods=pods,
+            model=options["model"],
+            chat=options["chat"],
+            max_tokens=options["max_tokens"],
+            concurrency=options["concurrency"],
+            seed=options["seed"],
+            score_url=options["score_url"],
+            api_key=api_key,
+            score_timeout=options["score_timeout"],
+            observe_scores=options["observe_scores"],
+            alpha=options["alpha"],
+            timeout=options["timeout"],
+            reset_prefix_cache=options["reset_prefix_cache"],
+            settle=options["settle"],
+            workload=workload,
+        )
