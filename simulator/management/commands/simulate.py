@@ -1,0 +1,256 @@
+"""``python manage.py simulate``: N simulated vLLM pods in this process (``simulator.fleet``).
+
+A thin shell: options -> ``FleetConfig``. What the manager keys blocks with comes from the registry
+by default, so that pods and manager agree on every block key: the hash seed (``HashSeed``, else
+``KVCACHE_HASH_SEED``), the model's block size and chat template (``ModelConfig``), and the
+tokenizer (the manager's ``TokenizerRegistry``). SIGINT/SIGTERM stop the servers (in-flight
+requests get 2 s) and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+from typing import Any
+
+import zmq
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
+
+from scoring.config import ServiceConfig
+from scoring.tokenization import TokenizerError, TokenizerRegistry
+from simulator.config import (
+    FAILURE_TYPES,
+    ConfigError,
+    EngineConfig,
+    FailureConfig,
+    LatencyConfig,
+    LoraAdapter,
+    PodConfig,
+)
+from simulator.fleet import Fleet, FleetConfig, PublishConfig
+from simulator.pod import PodTokenizer
+
+_NO_ENDPOINT = ("", "none", "off")
+
+
+def registry_config() -> ServiceConfig:
+    """The registry snapshot (hash seed, model settings); the settings' defaults when the database
+    is not usable (not migrated yet, unreachable)."""
+    from scoring.selectors import service_config
+
+    try:
+        return service_config()
+    except DatabaseError:
+        return ServiceConfig(seed=settings.KVCACHE_HASH_SEED, default_block_size=settings.KVCACHE_BLOCK_SIZE)
+
+
+def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetConfig:
+    """The fleet the options describe; ``ConfigError``/``ValueError`` for invalid ones."""
+    loras = []
+    for i, spec in enumerate(options["lora"] or [], start=1):
+        name, eq, path = spec.partition("=")
+        if not name:
+            raise ConfigError(f"--lora {spec!r} must be NAME or NAME=PATH")
+        loras.append(LoraAdapter(name=name, path=path if eq else name, lora_id=i))
+    types = tuple(t.strip() for t in options["failure_types"].split(",") if t.strip())
+    endpoint = options["events_endpoint"]
+    model = registry.model(options["model"])
+    hash_seed = options["hash_seed"] if options["hash_seed"] is not None else registry.seed
+    block_size = options["block_size"] if options["block_size"] is not None else model.block_size
+    pod = PodConfig(
+        pod_id="template",
+        model=options["model"],
+        engine=EngineConfig(
+            block_size=block_size,
+            kv_cache_size=options["kv_cache_size"],
+            max_num_seqs=options["max_num_seqs"],
+            max_waiting=options["max_waiting"],
+            max_model_len=options["max_model_len"],
+            hash_seed=hash_seed,
+        ),
+        latency=LatencyConfig(
+            prefill_overhead_ms=options["prefill_overhead_ms"],
+            prefill_time_per_token_ms=options["prefill_time_per_token_ms"],
+            inter_token_latency_ms=options["inter_token_latency_ms"],
+            load_factor=options["load_factor"],
+            jitter=options["jitter"],
+        ),
+        failures=FailureConfig(rate=options["failure_rate"], types=types),
+        output_mode=options["output_mode"],
+        seed=options["seed"],
+        data_parallel_size=options["data_parallel_size"],
+        lora_adapters=tuple(loras),
+    )
+    return FleetConfig(
+        pod=pod,
+        pods=options["pods"],
+        host=options["host"],
+        base_port=options["base_port"],
+        pod_id_style=options["pod_id_style"],
+        publish=PublishConfig(
+            endpoint=None if endpoint.lower() in _NO_ENDPOINT else endpoint,
+            layout=options["event_layout"],
+            replay_endpoint=options["replay_endpoint"] or None,
+            replay_layout=options["replay_layout"],
+            buffer_steps=options["replay_buffer_steps"],
+        ),
+    )
+
+
+def load_tokenizer(model: str, *, chat_template: str) -> PodTokenizer:
+    """The model's tokenizer from the manager's registry (configured from the settings and the
+    model config); without a usable database, from the settings' sources only."""
+    from scoring.services import build_tokenizers
+
+    try:
+        return PodTokenizer(build_tokenizers(), model, chat_template=chat_template)
+    except DatabaseError:
+        directory = settings.KVCACHE_TOKENIZERS_DIR
+        registry = TokenizerRegistry(
+            tokenizers_dir=Path(directory) if directory else None, allow_hub=settings.KVCACHE_ALLOW_HUB
+        )
+        return PodTokenizer(registry, model, chat_template=chat_template)
+
+
+class Command(BaseCommand):
+    help = "Run N simulated vLLM pods (OpenAI HTTP + KV events over ZeroMQ) in one process."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        d_engine, d_latency = EngineConfig(), LatencyConfig()
+        fleet = parser.add_argument_group("fleet")
+        fleet.add_argument("--pods", type=int, default=1, help="How many pods (default 1).")
+        fleet.add_argument(
+            "--base-port", type=int, default=8000, help="Pod i serves HTTP on this + i (0: any)."
+        )
+        fleet.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1).")
+        fleet.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Served model (its tokenizer is used).")
+        fleet.add_argument(
+            "--pod-id-style",
+            choices=["sim", "hostport"],
+            default="sim",
+            help="Pod ids sim-<i> (default) or <host>:<port>.",
+        )
+        fleet.add_argument(
+            "--lora", action="append", metavar="NAME[=PATH]", help="A LoRA adapter loaded at start."
+        )
+
+        events = parser.add_argument_group("KV events")
+        events.add_argument(
+            "--events-endpoint",
+            default="tcp://127.0.0.1:5557",
+            help="ZeroMQ PUB endpoint; binds if it has '*' or '::' or is ipc:// or inproc://, else "
+            "connects (vLLM's rule). 'none' disables events.",
+        )
+        events.add_argument(
+            "--event-layout", choices=["array", "map"], default="map", help="array (vLLM <= 0.23) or map."
+        )
+        events.add_argument(
+            "--replay-endpoint", default=None, help="ROUTER endpoint for replay (port + i*dp + r)."
+        )
+        events.add_argument(
+            "--replay-layout",
+            choices=["topic", "legacy"],
+            default="topic",
+            help="Replies [b'', topic, seq, payload] (vLLM >= 0.26, default) or [b'', seq, payload].",
+        )
+        events.add_argument(
+            "--replay-buffer-steps", type=int, default=10_000, help="Batches kept for replay."
+        )
+
+        engine = parser.add_argument_group("engine")
+        engine.add_argument(
+            "--block-size", type=int, default=None, help="Tokens per KV block (default: the model config's)."
+        )
+        engine.add_argument(
+            "--kv-cache-size", type=int, default=d_engine.kv_cache_size, help="KV cache size in blocks."
+        )
+        engine.add_argument(
+            "--hash-seed", default=None, help="PYTHONHASHSEED of the block hashes (default: the registry's)."
+        )
+        engine.add_argument(
+            "--max-num-seqs", type=int, default=d_engine.max_num_seqs, help="Requests running at once."
+        )
+        engine.add_argument(
+            "--max-waiting", type=int, default=d_engine.max_waiting, help="Waiting-queue length (more: 429)."
+        )
+        engine.add_argument(
+            "--max-model-len", type=int, default=d_engine.max_model_len, help="Context window."
+        )
+        engine.add_argument(
+            "--data-parallel-size", "--dp", type=int, default=1, help="Engines per pod (ranks)."
+        )
+        engine.add_argument(
+            "--output-mode", choices=["echo", "random"], default="echo", help="What pods answer."
+        )
+        engine.add_argument(
+            "--seed", type=int, default=0, help="Seed of generated text, failures and jitter."
+        )
+
+        latency = parser.add_argument_group("latency (milliseconds)")
+        latency.add_argument("--prefill-overhead-ms", type=float, default=d_latency.prefill_overhead_ms)
+        latency.add_argument(
+            "--prefill-time-per-token-ms", type=float, default=d_latency.prefill_time_per_token_ms
+        )
+        latency.add_argument("--inter-token-latency-ms", type=float, default=d_latency.inter_token_latency_ms)
+        latency.add_argument(
+            "--load-factor",
+            type=float,
+            default=d_latency.load_factor,
+            help="Latency multiplier at a full batch.",
+        )
+        latency.add_argument(
+            "--jitter", type=float, default=d_latency.jitter, help="Relative std-dev, 0 to 0.3."
+        )
+
+        failures = parser.add_argument_group("failure injection")
+        failures.add_argument(
+            "--failure-rate", type=float, default=0.0, help="Percent of requests that fail."
+        )
+        failures.add_argument(
+            "--failure-types",
+            default=",".join(FAILURE_TYPES),
+            help=f"Comma-separated, from {', '.join(FAILURE_TYPES)}.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        registry = registry_config()
+        try:
+            config = fleet_config(options, registry=registry)
+        except (ConfigError, ValueError) as error:
+            raise CommandError(str(error)) from None
+        try:
+            tokenizer = load_tokenizer(
+                config.pod.model, chat_template=registry.model(config.pod.model).chat_template
+            )
+        except TokenizerError as error:
+            raise CommandError(str(error)) from None
+        try:
+            asyncio.run(self._run(Fleet(config, tokenizer=tokenizer)))
+        except (OSError, zmq.ZMQError) as error:
+            raise CommandError(f"cannot start the fleet: {error}") from None
+
+    async def _run(self, fleet: Fleet) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with fleet:
+            c = fleet.config
+            self.stdout.write(
+                f"{c.pods} simulated pod(s) of {c.pod.model}, hash seed {c.pod.engine.hash_seed!r}, "
+                f"block size {c.pod.engine.block_size}, {c.pod.engine.kv_cache_size} blocks"
+            )
+            for i, pod in enumerate(fleet.pods):
+                ends = ", ".join(
+                    f"rank {r}: {e or '-'} replay {p or '-'}" for r, (e, p) in enumerate(fleet.endpoints(i))
+                )
+                self.stdout.write(f"  {pod.pod_id}  {pod.url}  events {ends}")
+            self.stdout.flush()
+            await stop.wait()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)

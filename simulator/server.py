@@ -1,0 +1,291 @@
+"""The HTTP shell of one simulated pod: a Starlette app that translates requests into ``Pod`` calls.
+
+Endpoints (vLLM's OpenAI server and its operational endpoints):
+
+=========================================  ===========================================================
+``POST /v1/completions``                   prompt: str | [str] | [int] | [[int]]; ``stream`` (SSE)
+``POST /v1/chat/completions``              messages rendered with the model's chat template
+``GET /v1/models``                         the base model and the loaded LoRA adapters
+``POST /tokenize``                         ``{"count", "tokens", "max_model_len", "token_strs"}``
+``GET /health``, ``GET /health/ready``     200; ready is 503 while sleeping
+``GET /metrics``                           Prometheus text, ``vllm:`` names (``simulator.metrics``)
+``POST /v1/load_lora_adapter``             ``{"lora_name", "lora_path"}``
+``POST /v1/unload_lora_adapter``           ``{"lora_name"}``
+``GET|POST /admin/config``                 the configuration; POST changes latency and failures
+``POST /reset_prefix_cache``               AllBlocksCleared; 409 while requests hold blocks
+``POST /sleep``, ``POST /wake_up``         sleep drops the prefix cache; ``GET /is_sleeping``
+=========================================  ===========================================================
+
+Streams are ``data: <json>\\n\\n`` events: for chat, a role chunk ``{"role": "assistant"}`` before
+each choice's first token, then one chunk per token, then a chunk with ``finish_reason``, then a
+usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``. Every error is an OpenAI
+error body with its status (``simulator.errors``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from simulator.config import ConfigError
+from simulator.errors import OpenAIError, bad_request
+from simulator.pod import Pod, Submission
+from simulator.protocol import (
+    ChatParams,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    new_id,
+    parse_chat,
+    parse_completion,
+    usage_chunk,
+)
+
+__all__ = ["create_app"]
+
+_SSE_HEADERS = {"Cache-Control": "no-cache"}
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    headers = {"X-Simulated-Failure": error.injected} if error.injected else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _openai_errors(handler: Handler) -> Handler:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except OpenAIError as error:
+            return _error_response(error)
+
+    return wrapped
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError:
+        raise bad_request("the request body must be valid JSON") from None
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def create_app(pod: Pod) -> Starlette:
+    """The Starlette app of ``pod``; it holds no state of its own."""
+
+    def request_id(request: Request, prefix: str) -> str:
+        return request.headers.get("x-request-id") or new_id(prefix)
+
+    async def collect(submission: Submission) -> list[tuple[int, str, str]]:
+        pieces: list[list[str]] = [[] for _ in submission.choices]
+        async with contextlib.aclosing(pod.run(submission)) as tokens:
+            async for choice, index in tokens:
+                pieces[choice.index].append(choice.texts[index])
+        return [(c.index, "".join(pieces[c.index]), c.finish_reason) for c in submission.choices]
+
+    async def stream(submission: Submission, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        rid, model, created = submission.request_id, submission.model, submission.created
+        async with contextlib.aclosing(pod.run(submission)) as tokens:
+            async for choice, index in tokens:
+                if chat:
+                    if index == 0:
+                        yield _sse(chat_chunk(rid, model, created, choice.index, {"role": "assistant"}, None))
+                    yield _sse(
+                        chat_chunk(rid, model, created, choice.index, {"content": choice.texts[index]}, None)
+                    )
+                    if index == choice.last_token:
+                        yield _sse(chat_chunk(rid, model, created, choice.index, {}, choice.finish_reason))
+                else:
+                    yield _sse(completion_chunk(rid, model, created, choice.index, choice.texts[index], None))
+                    if index == choice.last_token:
+                        yield _sse(
+                            completion_chunk(rid, model, created, choice.index, "", choice.finish_reason)
+                        )
+        if include_usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            yield _sse(usage_chunk(rid, obj, model, created, submission.usage()))
+        yield "data: [DONE]\n\n"
+
+    def stream_response(submission: Submission, *, chat: bool, include_usage: bool) -> Response:
+        return StreamingResponse(
+            stream(submission, chat=chat, include_usage=include_usage),
+            media_type="text/event-stream",
+            headers={**_SSE_HEADERS, "X-Request-Id": submission.request_id},
+        )
+
+    @_openai_errors
+    async def completions(request: Request) -> Response:
+        params = parse_completion(await _json(request))
+        adapter = pod.adapter_for(params.model)
+        pod.maybe_fail(params.model)
+        prompts = []
+        for prompt in params.prompts:
+            ids = list(prompt) if isinstance(prompt, tuple) else pod.tokenizer.encode(prompt)
+            prompts.append((ids, ids))
+        submission = pod.submit(
+            request_id=request_id(request, "cmpl"),
+            model=params.model,
+            prompts=prompts,
+            sampling=params.sampling,
+            adapter=adapter,
+            param="prompt",
+        )
+        if params.sampling.stream:
+            return stream_response(submission, chat=False, include_usage=params.sampling.include_usage)
+        choices = await collect(submission)
+        body = completion_response(submission.request_id, params.model, choices, submission.usage())
+        return JSONResponse(body, headers={"X-Request-Id": submission.request_id})
+
+    @_openai_errors
+    async def chat_completions(request: Request) -> Response:
+        params = parse_chat(await _json(request))
+        adapter = pod.adapter_for(params.model)
+        pod.maybe_fail(params.model)
+        prompt_ids, last_message_ids = pod.chat_prompt(params)
+        submission = pod.submit(
+            request_id=request_id(request, "chatcmpl"),
+            model=params.model,
+            prompts=[(prompt_ids, last_message_ids)],
+            sampling=params.sampling,
+            adapter=adapter,
+            param="messages",
+        )
+        if params.sampling.stream:
+            return stream_response(submission, chat=True, include_usage=params.sampling.include_usage)
+        choices = await collect(submission)
+        body = chat_response(submission.request_id, params.model, choices, submission.usage())
+        return JSONResponse(body, headers={"X-Request-Id": submission.request_id})
+
+    async def models(request: Request) -> Response:
+        limit = pod.config.engine.max_model_len
+        data = [
+            {
+                "id": pod.model,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": pod.model,
+                "parent": None,
+                "max_model_len": limit,
+            }
+        ]
+        data += [
+            {"id": a.name, "object": "model", "owned_by": "vllm", "root": a.path, "parent": pod.model}
+            for a in pod.loras.values()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @_openai_errors
+    async def tokenize(request: Request) -> Response:
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        if body.get("model") is not None:
+            pod.adapter_for(body["model"])
+        if "messages" in body:
+            params: ChatParams = parse_chat({**body, "model": pod.model})
+            tokens, _ = pod.chat_prompt(params)
+        elif isinstance(body.get("prompt"), str):
+            tokens = pod.tokenizer.encode(body["prompt"])
+        else:
+            raise bad_request("send a prompt (a string) or messages", "prompt")
+        return JSONResponse(
+            {
+                "count": len(tokens),
+                "max_model_len": pod.config.engine.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(request: Request) -> Response:
+        if pod.sleeping:
+            return JSONResponse({"status": "sleeping"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def metrics(request: Request) -> Response:
+        return Response(pod.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @_openai_errors
+    async def load_lora(request: Request) -> Response:
+        body = await _json(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        path = body.get("lora_path") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise bad_request("lora_name and lora_path are required strings", "lora_name")
+        pod.load_lora(name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @_openai_errors
+    async def unload_lora(request: Request) -> Response:
+        body = await _json(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            raise bad_request("lora_name is required", "lora_name")
+        pod.unload_lora(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    @_openai_errors
+    async def admin_config(request: Request) -> Response:
+        if request.method == "GET":
+            return JSONResponse(pod.config_dict())
+        try:
+            return JSONResponse(pod.update_config(await _json(request)))
+        except ConfigError as error:
+            raise bad_request(str(error)) from None
+
+    def busy(what: str) -> OpenAIError:
+        return OpenAIError(
+            409, f"cannot {what} while requests hold KV blocks: retry when idle", type="conflict"
+        )
+
+    @_openai_errors
+    async def reset_prefix_cache(request: Request) -> Response:
+        if not pod.reset_prefix_cache():
+            raise busy("reset the prefix cache")
+        return Response(status_code=200)
+
+    @_openai_errors
+    async def sleep(request: Request) -> Response:
+        if not pod.sleep():
+            raise busy("sleep")
+        return Response(status_code=200)
+
+    async def wake_up(request: Request) -> Response:
+        pod.wake_up()
+        return Response(status_code=200)
+
+    async def is_sleeping(request: Request) -> Response:
+        return JSONResponse({"is_sleeping": pod.sleeping})
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/health/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+            Route("/admin/config", admin_config, methods=["GET", "POST"]),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+            Route("/sleep", sleep, methods=["POST"]),
+            Route("/wake_up", wake_up, methods=["POST"]),
+            Route("/is_sleeping", is_sleeping, methods=["GET"]),
+        ]
+    )
