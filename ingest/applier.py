@@ -1,29 +1,31 @@
-"""Turns decoded KV events into index updates: the write path's logic, with no I/O of its own.
+"""Turns decoded KV events into index updates: the write path's logic, with no I/O of its own
+beyond the index calls it stages.
 
 Keying rule (vllm-kv-events.md section 3): a stored block is keyed by the block key we compute
 from its ``token_ids``, chained from its parent's digest (found through the pod's engine-hash ->
-digest map), with the event's ``lora_name`` as extra key. Engine hashes are only handles: for
-``BlockRemoved`` and for finding a parent. The chain is never restarted from the root when the
-parent is unknown (that yields keys no prompt can match): if the pod's engine hashes have been
-equal to our keys (its seed and algorithm are ours), its engine hashes are adopted as keys;
+digest map), with the block's extra keys (the LoRA name first). Engine hashes are only handles:
+for ``BlockRemoved`` and for finding a parent. The chain is never restarted from the root when
+the parent is unknown (that yields keys no prompt can match): if the pod's engine hashes have
+been equal to our keys (its seed and algorithm are ours), its engine hashes are adopted as keys;
 otherwise the blocks are skipped and counted as orphaned.
+
+Batches are *staged* (turned into ``IndexUpdate`` values, counters bumped) and then *flushed*
+together: one index round trip for everything a worker found queued.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ingest.stats import IngestStats, StreamStats
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex, StoredBlock
-from scoring.keys import DIGEST_SIZE, Digest, block_digest, extra_keys, key_of, root_digest
-
-log = logging.getLogger(__name__)
+from scoring.index.base import ClearPod, IndexUpdate, Remove, Store
+from scoring.keys import DIGEST_SIZE, Digest, block_digest, chain_digests, extra_keys, key_of, root_digest
 
 PARENT_CACHE_SIZE = 8192
 """Engine hash -> digest entries kept per pod, so a parent is usually found without a round trip."""
@@ -44,18 +46,30 @@ class _PodState:
 
 
 class EventApplier:
-    """Applies batches to ``index``. One instance per worker; a pod is only ever applied by one
-    worker (events of a pod stay in order), so per-pod state needs no lock."""
+    """Stages batches as index updates and flushes them. One instance per worker; a pod is only
+    ever applied by one worker (its events stay in order), so per-pod state needs no lock."""
 
     def __init__(self, index: KVIndex, *, config: Callable[[], ServiceConfig], stats: IngestStats) -> None:
         self.index = index
         self.config = config
         self.stats = stats
         self._pods: dict[tuple[str, str], _PodState] = {}
+        self._updates: list[IndexUpdate] = []
+        self._counts: list[tuple[StreamStats | None, str]] = []  # per update: the counter it adds to
+        self._batch_times: list[float] = []
+        self._seed: str | None = None
 
     def apply(
         self, *, pod: str, model: str, seq: int, batch: EventBatch, received_at: float | None = None
     ) -> None:
+        """Stage and flush one batch."""
+        self.stage(pod=pod, model=model, seq=seq, batch=batch, received_at=received_at)
+        self.flush()
+
+    def stage(
+        self, *, pod: str, model: str, seq: int, batch: EventBatch, received_at: float | None = None
+    ) -> None:
+        """Count ``batch`` and turn its events into pending index updates."""
         now = received_at if received_at is not None else time.time()
         rank = batch.data_parallel_rank or 0
         stream = self.stats.stream(pod, rank, model)
@@ -66,8 +80,13 @@ class EventApplier:
         for error in batch.errors:
             stream.decode_errors[error.reason] += 1
         config = self.config()
+        if config.seed != self._seed:
+            # Every digest remembered was chained from the old seed's root: forget them all.
+            self._pods.clear()
+            self._seed = config.seed
         if pod in config.disabled_pods:
             stream.ignored_batches += 1
+            self._clear_disabled(pod)
             return
         holder = holder_id(pod, rank)
         state = self._pods.get((holder, model))
@@ -76,28 +95,66 @@ class EventApplier:
         for event in batch.events:
             stream.events += 1
             if isinstance(event, BlockStored):
-                self._store(event, model=model, holder=holder, state=state, stream=stream, config=config)
+                self._stage_store(
+                    event, model=model, holder=holder, state=state, stream=stream, config=config
+                )
             elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
                     state.parents.pop(h, None)
-                stream.blocks_removed += self.index.remove(
-                    model=model, pod=holder, tier=event.tier, engine_hashes=event.block_hashes
-                )
+                self._pend(Remove(model, holder, event.tier, event.block_hashes), stream, "blocks_removed")
             elif isinstance(event, AllBlocksCleared):
                 state.parents.clear()
-                self.index.clear_pod(pod=holder, model=model)
+                self._pend(ClearPod(model, holder), stream, "")
                 stream.clears += 1
         if batch.ts and batch.events:
-            self.stats.observe_visible(time.time() - batch.ts)
+            self._batch_times.append(batch.ts)
+
+    def flush(self) -> None:
+        """Apply every pending update in one round trip. On ``IndexUnavailable`` nothing pending
+        is lost: calling ``flush`` again retries it (updates are idempotent)."""
+        if self._updates:
+            results = self.index.apply_updates(self._updates)
+            for (stream, counter), n in zip(self._counts, results, strict=True):
+                if counter:
+                    setattr(stream, counter, getattr(stream, counter) + n)
+            self._updates, self._counts = [], []
+        if self._batch_times:
+            now = time.time()
+            for ts in self._batch_times:
+                self.stats.observe_visible(now - ts)
+            self._batch_times = []
+
+    def discard_staged(self, mark: int) -> None:
+        """Drop updates staged after ``mark`` (``pending``): a message whose staging failed half
+        way is staged again from scratch."""
+        del self._updates[mark:]
+        del self._counts[mark:]
+
+    @property
+    def pending(self) -> int:
+        return len(self._updates)
 
     def forget(self, pod: str) -> None:
         """Drop what is remembered of ``pod`` (it was disabled or deleted)."""
         for key in [k for k in self._pods if k[0] == pod or k[0].startswith(pod + "#dp")]:
             del self._pods[key]
 
+    def _clear_disabled(self, pod: str) -> None:
+        """The first batch of a pod after it was disabled clears what this worker indexed for it,
+        ordered after anything of it still staged (the web process cleared it when disabling,
+        but an in-flight flush could have written after that)."""
+        for holder, model in [k for k in self._pods if k[0] == pod or k[0].startswith(pod + "#dp")]:
+            del self._pods[(holder, model)]
+            self._updates.append(ClearPod(model, holder))
+            self._counts.append((None, ""))
+
+    def _pend(self, update: IndexUpdate, stream: StreamStats, counter: str) -> None:
+        self._updates.append(update)
+        self._counts.append((stream, counter))
+
     # --- BlockStored ---------------------------------------------------------------------
 
-    def _store(
+    def _stage_store(
         self,
         event: BlockStored,
         *,
@@ -107,8 +164,7 @@ class EventApplier:
         stream: StreamStats,
         config: ServiceConfig,
     ) -> None:
-        hashes = event.block_hashes
-        if not hashes:
+        if not event.block_hashes:
             return
         if not event.token_ids:
             blocks = self._hash_only_blocks(event, model=model, holder=holder, state=state, stream=stream)
@@ -116,15 +172,15 @@ class EventApplier:
             blocks = self._computed_blocks(
                 event, model=model, holder=holder, state=state, stream=stream, config=config
             )
-        if blocks:
-            self.index.store(model=model, pod=holder, tier=event.tier, blocks=blocks)
-            stream.blocks_stored += len(blocks)
-            parents = state.parents
-            for b in blocks:
-                parents[b.engine_hash] = b.digest
-                parents.move_to_end(b.engine_hash)
-            while len(parents) > PARENT_CACHE_SIZE:
-                parents.popitem(last=False)
+        if not blocks:
+            return
+        self._pend(Store(model, holder, event.tier, blocks), stream, "blocks_stored")
+        parents = state.parents
+        for b in blocks:
+            parents[b.engine_hash] = b.digest
+            parents.move_to_end(b.engine_hash)
+        while len(parents) > PARENT_CACHE_SIZE:
+            parents.popitem(last=False)
 
     def _hash_only_blocks(
         self, event: BlockStored, *, model: str, holder: str, state: _PodState, stream: StreamStats
@@ -161,28 +217,39 @@ class EventApplier:
                 return [StoredBlock(h, h, h.to_bytes(8, "big")) for h in hashes]
             stream.orphaned_blocks += len(hashes)
             return []
-        extra = extra_keys(lora_name=event.lora_name)
-        per_block_extra = event.extra_keys
-        blocks: list[StoredBlock] = []
-        aligned = 0
-        for i, engine_hash in enumerate(hashes):
-            block_extra = extra
-            if per_block_extra is not None and i < len(per_block_extra) and per_block_extra[i]:
-                block_extra = (*(extra or ()), *per_block_extra[i])
-            parent = block_digest(parent, tokens[i * block_size : (i + 1) * block_size], block_extra)
-            key = key_of(parent)
-            aligned += key == engine_hash
-            blocks.append(StoredBlock(key, engine_hash, parent))
+        # vLLM >= 0.11 sends each block's extra keys (LoRA name first, multimodal ids, cache
+        # salt) and they are hashed as sent; older engines only send lora_name.
+        n = len(hashes)
+        per_block = event.extra_keys
+        if per_block is None:
+            digests = chain_digests(
+                tokens[: n * block_size],
+                block_size=block_size,
+                parent=parent,
+                extra=extra_keys(lora_name=event.lora_name),
+            )
+        else:
+            digests = []
+            for i in range(n):
+                parent = block_digest(parent, tokens[i * block_size : (i + 1) * block_size], per_block[i])
+                digests.append(parent)
+        blocks = [StoredBlock(key_of(d), h, d) for d, h in zip(digests, hashes, strict=True)]
+        aligned = sum(b.key == b.engine_hash for b in blocks)
         stream.aligned_blocks += aligned
         stream.misaligned_blocks += len(hashes) - aligned
         state.aligned = blocks[-1].key == blocks[-1].engine_hash
         return blocks
 
-    def _resolve(self, engine_hashes, *, model: str, holder: str, state: _PodState) -> list[Digest | None]:
+    def _resolve(
+        self, engine_hashes: Sequence[int], *, model: str, holder: str, state: _PodState
+    ) -> list[Digest | None]:
+        """Digests of engine hashes: from this pod's recent blocks, else from the index (after
+        flushing, so that what was staged is visible)."""
         parents = state.parents
         found = [parents.get(h) for h in engine_hashes]
         missing = [h for h, d in zip(engine_hashes, found, strict=True) if d is None]
         if missing:
+            self.flush()
             resolved = dict(
                 zip(missing, self.index.resolve(model=model, pod=holder, engine_hashes=missing), strict=True)
             )

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from ingest.applier import EventApplier
-from ingest.pool import Receiver, ShardPool, decode_and_apply
+from ingest.pool import DecodingHandler, Receiver, ShardPool
 from ingest.stats import IngestStats
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex
@@ -35,7 +35,7 @@ class IngestPipeline:
         def handler_factory(_worker: int):
             applier = EventApplier(index, config=config, stats=self.stats)
             self.appliers.append(applier)
-            return decode_and_apply(applier.apply, self.stats)
+            return DecodingHandler(applier, self.stats)
 
         self.pool = ShardPool(
             workers=workers, handler_factory=handler_factory, queue_size=queue_size, stats=self.stats

@@ -15,9 +15,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
 
+from ingest.applier import EventApplier
 from ingest.events import DecodeError, decode_batch, parse_seq, parse_topic
 from ingest.stats import IngestStats
 from scoring.index.base import IndexUnavailable
@@ -47,8 +49,17 @@ class Received:
     received_at: float
 
 
-Handler = Callable[[Received], None]
+class Handler(Protocol):
+    """What a worker drives: ``stage`` each message it finds queued, then ``flush`` them all."""
+
+    def stage(self, item: Received) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 _STOP = object()
+MAX_MESSAGES_PER_FLUSH = 64
+"""Messages a worker stages before one flush (one index round trip) when its queue is busy."""
 
 
 class ShardPool:
@@ -122,34 +133,49 @@ class ShardPool:
         handler = self._handlers[worker]
         q = self.queues[worker]
         while True:
-            item = q.get()
-            if item is _STOP:
-                q.task_done()
-                return
+            items = [q.get()]
+            while len(items) < MAX_MESSAGES_PER_FLUSH:
+                try:
+                    items.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = items[-1] is _STOP
+            if stop:
+                items.pop()
             try:
-                self._handle(worker, handler, item)
+                for item in items:
+                    self._retrying(worker, lambda item=item: handler.stage(item), item.pod)
+                if items:
+                    self._retrying(worker, handler.flush, items[-1].pod)
             finally:
-                q.task_done()
+                for _ in range(len(items) + stop):
+                    q.task_done()
+            if stop:
+                return
 
-    def _handle(self, worker: int, handler: Handler, item: Received) -> None:
-        """Apply one message. While the index is unreachable, retry with backoff rather than lose
-        it (applying is idempotent, so a batch cut short by an outage can be applied again)."""
+    def _retrying(self, worker: int, step: Callable[[], None], pod: str) -> None:
+        """Run one step. While the index is unreachable, retry with backoff rather than lose
+        data (staging and flushing are idempotent); any other error is logged and skipped so a
+        bug in one message cannot kill the worker."""
         backoff = 0.05
         while True:
             try:
-                handler(item)
+                step()
                 return
             except IndexUnavailable as e:
                 if self._stopping.is_set() and time.monotonic() > self._give_up_at:
                     log.error(
-                        "ingest worker %d dropped a batch from %s: index unreachable: %s", worker, item.pod, e
+                        "ingest worker %d dropped updates (last from %s): index unreachable: %s",
+                        worker,
+                        pod,
+                        e,
                     )
                     return
                 log.warning("ingest worker %d: index unreachable (%s); retrying in %.2fs", worker, e, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-            except Exception:  # a bug must not kill the worker: log it and go on with the next message
-                log.exception("ingest worker %d failed on a message from %s", worker, item.pod)
+            except Exception:
+                log.exception("ingest worker %d failed on a message from %s", worker, pod)
                 return
 
 
@@ -223,18 +249,32 @@ class Receiver:
         self.pool.submit(Received(pod, model, seq, frames[2], time.time()))
 
 
-def decode_and_apply(apply: Callable[..., None], stats: IngestStats) -> Handler:
-    """A worker handler: decode the payload, count a bad one against its pod, apply a good one."""
+class DecodingHandler:
+    """A worker's handler: decode each payload (a bad one is counted against its pod) and stage
+    it on the worker's applier; flush applies everything staged in one round trip."""
 
-    def handle(item: Received) -> None:
+    def __init__(self, applier: EventApplier, stats: IngestStats) -> None:
+        self.applier = applier
+        self.stats = stats
+
+    def stage(self, item: Received) -> None:
         try:
             batch = decode_batch(item.payload)
         except DecodeError as e:
-            stream = stats.stream(item.pod, 0, item.model)
+            stream = self.stats.stream(item.pod, 0, item.model)
+            stream.batches += 1
             stream.decode_errors[e.reason] += 1
             stream.observe_seq(item.seq)
             log.warning("skipped an undecodable batch from %s: %s", item.pod, e)
             return
-        apply(pod=item.pod, model=item.model, seq=item.seq, batch=batch, received_at=item.received_at)
+        mark = self.applier.pending
+        try:
+            self.applier.stage(
+                pod=item.pod, model=item.model, seq=item.seq, batch=batch, received_at=item.received_at
+            )
+        except BaseException:
+            self.applier.discard_staged(mark)
+            raise
 
-    return handle
+    def flush(self) -> None:
+        self.applier.flush()

@@ -48,6 +48,37 @@ class PodBlocks:
         return sum(self.blocks_by_tier.values())
 
 
+@dataclass(frozen=True, slots=True)
+class Store:
+    """``store`` as a value, for ``apply_updates``."""
+
+    model: str
+    pod: str
+    tier: Tier
+    blocks: Sequence[StoredBlock]
+
+
+@dataclass(frozen=True, slots=True)
+class Remove:
+    """``remove`` as a value, for ``apply_updates``."""
+
+    model: str
+    pod: str
+    tier: Tier
+    engine_hashes: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ClearPod:
+    """``clear_pod`` (of one model) as a value, for ``apply_updates``."""
+
+    model: str
+    pod: str
+
+
+IndexUpdate = Store | Remove | ClearPod
+
+
 class IndexUnavailable(RuntimeError):
     """The backing store cannot be reached (the API answers 503)."""
 
@@ -62,6 +93,12 @@ class KVIndex(Protocol):
         """Drop ``(pod, tier)`` from the blocks these engine hashes map to; returns how many
         entries went. Unknown hashes are ignored. When the pod no longer holds a block on any
         tier, its engine-hash entry goes too. Atomic per call."""
+
+    def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
+        """Apply ``updates`` in order, each exactly as (and as atomically as) its single-call
+        counterpart, in one round trip for all of them. Returns, per update, the number of
+        blocks stored, entries removed or entries cleared. Readers may see a prefix of the
+        sequence applied, never part of one update."""
 
     def resolve(self, *, model: str, pod: str, engine_hashes: Sequence[int]) -> list[Digest | None]:
         """The digest each engine hash of ``pod`` maps to (``None`` when unknown)."""

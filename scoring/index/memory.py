@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-from scoring.index.base import HolderMap, PodBlocks, StoredBlock, Tier
+from scoring.index.base import ClearPod, HolderMap, IndexUpdate, PodBlocks, Remove, Store, StoredBlock, Tier
 from scoring.keys import BlockKey, Digest, key_of
 
 DEFAULT_MAX_KEYS = 10_000_000
@@ -103,83 +103,39 @@ class MemoryIndex:
         """
         if not blocks:
             return
-        entry = (pod, tier)
         with self._lock:
-            state = self._pods.setdefault(model, {}).get(pod)
-            if state is None:
-                state = self._pods[model][pod] = _PodState()
-            tier_keys = state.tiers.setdefault(tier, set())
-            all_blocks = self._blocks
-            for b in blocks:
-                key = b.key
-                old = state.engine.get(b.engine_hash)
-                if old != b.digest:
-                    if old is not None:
-                        self._unlink_hash(state, key_of(old), b.engine_hash)
-                    state.engine[b.engine_hash] = b.digest
-                    state.hashes_of.setdefault(key, set()).add(b.engine_hash)
-                ident = (model, key)
-                block = all_blocks.get(ident)
-                if block is None:
-                    block = all_blocks[ident] = _Block()
-                else:
-                    all_blocks.move_to_end(ident)
-                    block.holders.pop(entry, None)
-                block.holders[entry] = None
-                block.view = None
-                tier_keys.add(key)
-                if len(block.holders) > self.pod_cache_size:
-                    # The oldest entry, never the one just added: it is last and the bound is >= 1.
-                    old_pod, old_tier = next(iter(block.holders))
-                    self._drop_entry(model, key, block, old_pod, old_tier)
-            while len(all_blocks) > self.max_keys:
-                (old_model, old_key), block = all_blocks.popitem(last=False)
-                for old_pod, old_tier in list(block.holders):
-                    self._drop_entry(old_model, old_key, block, old_pod, old_tier)
+            self._store(model, pod, tier, blocks)
 
     def remove(self, *, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
         """Drop ``(pod, tier)`` from the blocks these engine hashes map to; see ``KVIndex``."""
-        removed = 0
-        entry = (pod, tier)
         with self._lock:
-            pods = self._pods.get(model)
-            for engine_hash in engine_hashes:
-                state = pods.get(pod) if pods else None
-                if state is None:  # the pod holds nothing (any more): every hash is unknown
-                    break
-                digest = state.engine.get(engine_hash)
-                if digest is None:
-                    continue
-                key = key_of(digest)
-                block = self._blocks.get((model, key))
-                if block is not None and entry in block.holders:
-                    self._drop_entry(model, key, block, pod, tier)
-                    removed += 1
-        return removed
+            return self._remove(model, pod, tier, engine_hashes)
 
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod``; returns the number of ``(key, tier)`` entries."""
-        removed = 0
         with self._lock:
             models = list(self._pods) if model is None else [model]
-            for m in models:
-                pods = self._pods.get(m)
-                state = pods.pop(pod, None) if pods else None
-                if state is None:
-                    continue
-                for tier, keys in state.tiers.items():
-                    entry = (pod, tier)
-                    for key in keys:
-                        ident = (m, key)
-                        block = self._blocks[ident]
-                        del block.holders[entry]
-                        block.view = None
-                        if not block.holders:
-                            del self._blocks[ident]
-                    removed += len(keys)
-                if not pods:
-                    del self._pods[m]
-        return removed
+            return sum(self._clear_pod(m, pod) for m in models)
+
+    def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
+        """Apply ``updates`` in order under one acquisition of the lock (see ``KVIndex``): no
+        reader sees any of them before all are applied. ``TypeError`` for anything that is not
+        an ``IndexUpdate``, before any is applied."""
+        for update in updates:
+            if not isinstance(update, (Store, Remove, ClearPod)):
+                raise TypeError(f"not an index update: {update!r}")
+        counts: list[int] = []
+        with self._lock:
+            for update in updates:
+                if isinstance(update, Store):
+                    if update.blocks:
+                        self._store(update.model, update.pod, update.tier, update.blocks)
+                    counts.append(len(update.blocks))
+                elif isinstance(update, Remove):
+                    counts.append(self._remove(update.model, update.pod, update.tier, update.engine_hashes))
+                else:
+                    counts.append(self._clear_pod(update.model, update.pod))
+        return counts
 
     def clear_model(self, *, model: str) -> int:
         """Remove everything under ``model``; returns the number of ``(key, pod, tier)`` entries."""
@@ -244,6 +200,83 @@ class MemoryIndex:
         with self._lock:
             self._blocks.clear()
             self._pods.clear()
+
+    # -- the writes, with the lock held ----------------------------------------------------------
+
+    def _store(self, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> None:
+        """``store`` of a non-empty ``blocks``; requires the lock."""
+        entry = (pod, tier)
+        state = self._pods.setdefault(model, {}).get(pod)
+        if state is None:
+            state = self._pods[model][pod] = _PodState()
+        tier_keys = state.tiers.setdefault(tier, set())
+        all_blocks = self._blocks
+        for b in blocks:
+            key = b.key
+            old = state.engine.get(b.engine_hash)
+            if old != b.digest:
+                if old is not None:
+                    self._unlink_hash(state, key_of(old), b.engine_hash)
+                state.engine[b.engine_hash] = b.digest
+                state.hashes_of.setdefault(key, set()).add(b.engine_hash)
+            ident = (model, key)
+            block = all_blocks.get(ident)
+            if block is None:
+                block = all_blocks[ident] = _Block()
+            else:
+                all_blocks.move_to_end(ident)
+                block.holders.pop(entry, None)
+            block.holders[entry] = None
+            block.view = None
+            tier_keys.add(key)
+            if len(block.holders) > self.pod_cache_size:
+                # The oldest entry, never the one just added: it is last and the bound is >= 1.
+                old_pod, old_tier = next(iter(block.holders))
+                self._drop_entry(model, key, block, old_pod, old_tier)
+        while len(all_blocks) > self.max_keys:
+            (old_model, old_key), block = all_blocks.popitem(last=False)
+            for old_pod, old_tier in list(block.holders):
+                self._drop_entry(old_model, old_key, block, old_pod, old_tier)
+
+    def _remove(self, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
+        """``remove``; requires the lock."""
+        removed = 0
+        entry = (pod, tier)
+        pods = self._pods.get(model)
+        for engine_hash in engine_hashes:
+            state = pods.get(pod) if pods else None
+            if state is None:  # the pod holds nothing (any more): every hash is unknown
+                break
+            digest = state.engine.get(engine_hash)
+            if digest is None:
+                continue
+            key = key_of(digest)
+            block = self._blocks.get((model, key))
+            if block is not None and entry in block.holders:
+                self._drop_entry(model, key, block, pod, tier)
+                removed += 1
+        return removed
+
+    def _clear_pod(self, model: str, pod: str) -> int:
+        """``clear_pod`` under one model; requires the lock."""
+        pods = self._pods.get(model)
+        state = pods.pop(pod, None) if pods else None
+        if state is None:
+            return 0
+        removed = 0
+        for tier, keys in state.tiers.items():
+            entry = (pod, tier)
+            for key in keys:
+                ident = (model, key)
+                block = self._blocks[ident]
+                del block.holders[entry]
+                block.view = None
+                if not block.holders:
+                    del self._blocks[ident]
+            removed += len(keys)
+        if not pods:
+            del self._pods[model]
+        return removed
 
     # -- invariant keeping ----------------------------------------------------------------------
 

@@ -29,11 +29,19 @@ Why it is safe:
   first time this client writes a model. ``clear_model`` leaves it, as other clients may have
   cached the model as seen; enumerating a cleared model just finds nothing.
 * Atomicity: store, remove, clear_pod and clear_model are each one Lua script and a lookup is
-  one ``MGET``, so no reader sees half of a write. The scripts carry a ``#!lua`` shebang, so a
-  server out of memory refuses them before they start rather than half way (a script that fails
-  part way is never rolled back).
+  one ``MGET``, so no reader sees half of a write. ``apply_updates`` sends the scripts of its
+  updates in one non-transactional pipeline: each update stays atomic, and a reader may see a
+  prefix of the batch applied. The scripts carry a ``#!lua`` shebang, so a server out of memory
+  refuses them before they start rather than half way (a script that fails part way is never
+  rolled back). They run by ``EVALSHA``; when the server has lost them (``SCRIPT FLUSH``, a
+  restart) all of them are loaded again and the refused calls sent once more.
 * Consistency: the invariants of ``memory`` hold here too: ``P@T`` is an entry of ``b:K`` iff
-  ``K`` is in ``p:P:t:T``; an engine hash of P points at a key P holds on some tier.
+  ``K`` is in ``p:P:t:T``; an engine hash of P points at a key P holds on some tier; ``p:P:k`` is
+  exactly the inverse of ``p:P:e`` (so it has no field for a key P does not hold).
+
+Cost on the server: the store, remove and clear_pod scripts make a fixed number of variadic
+commands per call (or per 1000 keys), not a few per block: reads with ``MGET`` / ``HMGET``, writes
+with ``MSET``, ``HSET``, ``SADD``, ``DEL``, ... (see ``_LUA_HELPERS``).
 
 No TTLs and no per-key bound: an entry lives until it is removed, cleared, or its model cleared.
 """
@@ -41,6 +49,7 @@ No TTLs and no per-key bound: an entry lives until it is removed, cleared, or it
 from __future__ import annotations
 
 import functools
+import hashlib
 import struct
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -48,9 +57,19 @@ from typing import Any, ParamSpec, TypeVar
 from urllib.parse import quote, unquote
 
 import redis
-from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
-from scoring.index.base import HolderMap, IndexUnavailable, PodBlocks, StoredBlock, Tier
+from scoring.index.base import (
+    ClearPod,
+    HolderMap,
+    IndexUnavailable,
+    IndexUpdate,
+    PodBlocks,
+    Remove,
+    Store,
+    StoredBlock,
+    Tier,
+)
 from scoring.keys import BlockKey, Digest
 
 DEFAULT_NAMESPACE = "kv"
@@ -104,109 +123,298 @@ def _unavailable_on_connection_error(method: Callable[_P, _R]) -> Callable[_P, _
     return wrapper
 
 
+class _Script:
+    """A Lua script and the SHA1 that ``EVALSHA`` runs it by."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+
+
+_Call = tuple[_Script, list[bytes], list[bytes | int]]
+"""A script with its keys and arguments: one ``EVALSHA``."""
+
+
 # Shared Lua helpers. Block values and key -> engine hashes values are lists of words separated
 # by single spaces (encoded names and decimal hashes never contain one). A block key K is the hex
 # of the last 8 bytes of a digest. Engine hashes stay strings: Lua numbers cannot hold 64 bits.
+#
+# The store and remove scripts make a fixed number of commands per call (clear_pod: per 1000
+# keys), not several per block: they read what the call touches with one variadic command per
+# kind of key (MGET, HMGET), replay the call's blocks or hashes in order on Lua tables, and write
+# back what changed with one variadic command per kind of change (MSET, DEL, HSET, HDEL, SADD,
+# SREM).
 _LUA_HELPERS = """
+-- The hex of the last 8 bytes of digest, as two 32-bit halves (Lua numbers are doubles).
 local function hex_key(digest)
-  return string.format('%02x%02x%02x%02x%02x%02x%02x%02x', string.byte(digest, -8, -1))
+  local a, b, c, d, e, f, g, h = string.byte(digest, -8, -1)
+  return string.format('%08x%08x', ((a * 256 + b) * 256 + c) * 256 + d, ((e * 256 + f) * 256 + g) * 256 + h)
+end
+-- Where word is, as a whole word, in list (nil: it is not); allocates no string.
+local function find_word(list, word)
+  local from, last = 1, #list
+  while true do
+    local s, e = string.find(list, word, from, true)
+    if not s then return nil end
+    if (s == 1 or string.byte(list, s - 1) == 32) and (e == last or string.byte(list, e + 1) == 32) then
+      return s, e
+    end
+    from = s + 1
+  end
 end
 local function has_word(list, word)
-  return string.find(' ' .. list .. ' ', ' ' .. word .. ' ', 1, true) ~= nil
+  return find_word(list, word) ~= nil
 end
+-- Whether a word of list starts with prefix.
 local function has_prefix(list, prefix)
-  return string.find(' ' .. list, ' ' .. prefix, 1, true) ~= nil
+  local from = 1
+  while true do
+    local s = string.find(list, prefix, from, true)
+    if not s then return false end
+    if s == 1 or string.byte(list, s - 1) == 32 then return true end
+    from = s + 1
+  end
 end
+-- list without word (the lists never repeat a word); false when nothing is left.
 local function without(list, word)
-  local kept = {}
-  for w in string.gmatch(list, '%S+') do
-    if w ~= word then kept[#kept + 1] = w end
+  local s, e = find_word(list, word)
+  if not s then return list end
+  if s == 1 then
+    if e == #list then return false end
+    return string.sub(list, e + 2)
   end
-  if #kept == 0 then return nil end
-  return table.concat(kept, ' ')
+  return string.sub(list, 1, s - 2) .. string.sub(list, e + 1)
 end
-local function link(hashes_of, key, engine_hash)
-  local cur = redis.call('HGET', hashes_of, key)
-  if not cur then
-    redis.call('HSET', hashes_of, key, engine_hash)
-  elseif not has_word(cur, engine_hash) then
-    redis.call('HSET', hashes_of, key, cur .. ' ' .. engine_hash)
+-- redis.call(command, [key,] list[first], ..., list[last]) in chunks of at most 1000 values
+-- (unpack cannot spread more than a few thousand; 1000 is even, so pairs stay whole), the
+-- replies concatenated.
+local function call_range(command, key, list, first, last)
+  if last < first then return {} end
+  if last - first < 1000 then
+    if key then return redis.call(command, key, unpack(list, first, last)) end
+    return redis.call(command, unpack(list, first, last))
   end
+  local out = {}
+  for from = first, last, 1000 do
+    local reply = call_range(command, key, list, from, math.min(from + 999, last))
+    if type(reply) == 'table' then
+      for i = 1, #reply do out[#out + 1] = reply[i] end
+    end
+  end
+  return out
 end
-local function unlink(hashes_of, key, engine_hash)
-  local cur = redis.call('HGET', hashes_of, key)
-  if not cur then return end
-  local rest = without(cur, engine_hash)
-  if rest then redis.call('HSET', hashes_of, key, rest) else redis.call('HDEL', hashes_of, key) end
+local function call_many(command, key, list)
+  return call_range(command, key, list, 1, #list)
 end
-local function forget(engine, hashes_of, key)
-  local cur = redis.call('HGET', hashes_of, key)
-  if not cur then return end
-  for h in string.gmatch(cur, '%S+') do redis.call('HDEL', engine, h) end
-  redis.call('HDEL', hashes_of, key)
-end
--- Take field out of a block; returns the fields left (nil: the block is gone) and whether
--- field was there at all.
-local function drop_field(block, field)
-  local cur = redis.call('GET', block)
-  if not cur or not has_word(cur, field) then return cur, false end
-  local rest = without(cur, field)
-  if rest then redis.call('SET', block, rest) else redis.call('DEL', block) end
-  return rest, true
+-- Write back the blocks whose value changed: names[i] was before[i] (false: absent) and is now
+-- after[names[i]] (false: no entry left, the block goes).
+local function save_blocks(names, before, after)
+  local set, gone = {}, {}
+  for i, name in ipairs(names) do
+    local value = after[name]
+    if value ~= before[i] then
+      if value then
+        set[#set + 1] = name
+        set[#set + 1] = value
+      else
+        gone[#gone + 1] = name
+      end
+    end
+  end
+  call_many('MSET', nil, set)
+  call_many('DEL', nil, gone)
 end
 """
 
-# KEYS: tier set, engine map, key -> hashes map, pods set, then one block per stored block.
-# ARGV: field "P@T", then (K, engine hash, digest) per block.
-_STORE = (
+# KEYS: tier set, engine map, key -> hashes map, pods set, then the n blocks.
+# ARGV: field "P@T", pod field prefix "P@", "1" if no block key and no engine hash appears twice
+# in the call (else "0"), then the n block keys K, the n engine hashes and the n digests, in
+# block order.
+# Commands: MGET, HMGET, MSET, SADD x2, HSET x2; one more HMGET (and an HDEL) in the rare cases
+# that a hash is re-pointed, a held block gets a new hash, or a key or hash repeats in the call.
+_STORE = _Script(
     "#!lua\n"
     + _LUA_HELPERS
     + """
 local tier_set, engine, hashes_of, pods = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local field = ARGV[1]
-for i = 5, #KEYS do
-  local a = (i - 5) * 3 + 2
-  local key, engine_hash, digest = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  local cur = redis.call('GET', KEYS[i])
+local field, pod_prefix, distinct = ARGV[1], ARGV[2], ARGV[3] == '1'
+local n = #KEYS - 4
+local K, H, D = 3, 3 + n, 3 + 2 * n  -- block i: K ARGV[K + i], hash ARGV[H + i], digest ARGV[D + i]
+
+-- Read the blocks and the engine hashes, then in one pass over the blocks: add the entry to every
+-- block that lacks it (a block named twice gets the same value twice), and point each engine
+-- hash at its digest, linking (K, hash) in the key -> hashes map. The common case needs no more
+-- than that pass: every hash the call changes is new to the pod and names a block the pod held
+-- on no tier (so, by the invariant, one that no hash of the pod links to), and no key or hash
+-- repeats: each change is one field in each map. Otherwise the engine hashes take the general
+-- path below.
+local before = call_range('MGET', nil, KEYS, 5, 4 + n)
+local old = call_range('HMGET', engine, ARGV, H + 1, H + n)
+local set, s = {}, 0
+local fields, links, f = {}, {}, 0
+local simple = distinct
+for i = 1, n do
+  local cur = before[i]
   if not cur then
-    redis.call('SET', KEYS[i], field)
+    set[s + 1], set[s + 2], s = KEYS[4 + i], field, s + 2
   elseif not has_word(cur, field) then
-    redis.call('SET', KEYS[i], cur .. ' ' .. field)
+    set[s + 1], set[s + 2], s = KEYS[4 + i], cur .. ' ' .. field, s + 2
   end
-  redis.call('SADD', tier_set, key)
-  local old = redis.call('HGET', engine, engine_hash)
-  if old ~= digest then
-    if old then unlink(hashes_of, hex_key(old), engine_hash) end
-    redis.call('HSET', engine, engine_hash, digest)
-    link(hashes_of, key, engine_hash)
+  if simple then
+    local digest, was = ARGV[D + i], old[i]
+    if was ~= digest then
+      if was or (cur and has_prefix(cur, pod_prefix)) then
+        simple = false
+      else
+        local h = ARGV[H + i]
+        fields[f + 1], fields[f + 2] = h, digest
+        links[f + 1], links[f + 2], f = ARGV[K + i], h, f + 2
+      end
+    end
   end
 end
+call_range('MSET', nil, set, 1, s)
+call_range('SADD', tier_set, ARGV, K + 1, K + n)
 redis.call('SADD', pods, field)
-return #KEYS - 4
+if simple then
+  call_range('HSET', engine, fields, 1, f)
+  call_range('HSET', hashes_of, links, 1, f)
+  return n
+end
+
+-- The general path: replay the hashes in order; a change links (K, hash) and, when the hash
+-- pointed at another block, first unlinks (old K, hash). Then read the links of every key
+-- touched, replay the moves on them and write back what changed.
+local now, moves, move_key, move_hash, move_link = {}, 0, {}, {}, {}
+fields, links, f = {}, {}, 0
+for i = 1, n do
+  local h, digest = ARGV[H + i], ARGV[D + i]
+  local cur = now[h]
+  if cur == nil then cur = old[i] end
+  if cur ~= digest then
+    if cur then
+      moves = moves + 1
+      move_key[moves], move_hash[moves], move_link[moves] = hex_key(cur), h, false
+    end
+    now[h] = digest
+    fields[f + 1], fields[f + 2], f = h, digest, f + 2
+    moves = moves + 1
+    move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
+  end
+end
+if moves == 0 then return n end
+call_range('HSET', engine, fields, 1, f)  -- a hash named twice: the last (newest) digest wins
+
+local keys, linked = {}, {}
+for m = 1, moves do
+  local key = move_key[m]
+  if linked[key] == nil then
+    keys[#keys + 1] = key
+    linked[key] = false
+  end
+end
+local was = call_many('HMGET', hashes_of, keys)
+for j, key in ipairs(keys) do linked[key] = was[j] end
+for m = 1, moves do
+  local key, h = move_key[m], move_hash[m]
+  local cur = linked[key]
+  if move_link[m] then
+    if not cur then
+      linked[key] = h
+    elseif not has_word(cur, h) then
+      linked[key] = cur .. ' ' .. h
+    end
+  elseif cur then
+    linked[key] = without(cur, h)
+  end
+end
+local gone = {}
+for j, key in ipairs(keys) do
+  local value = linked[key]
+  if value ~= was[j] then
+    if value then
+      links[#links + 1] = key
+      links[#links + 1] = value
+    else
+      gone[#gone + 1] = key
+    end
+  end
+end
+call_many('HSET', hashes_of, links)
+call_many('HDEL', hashes_of, gone)
+return n
 """
 )
 
 # KEYS: engine map, key -> hashes map, pods set, tier set.
 # ARGV: field "P@T", block prefix, pod field prefix "P@", then the engine hashes.
-_REMOVE = (
+# Commands: HMGET, and when a hash is known MGET + HMGET, then MSET / DEL of the blocks, SREM,
+# HDEL x2, EXISTS (+ SREM) for what changed.
+_REMOVE = _Script(
     "#!lua\n"
     + _LUA_HELPERS
     + """
 local engine, hashes_of, pods, tier_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local field, block_prefix, pod_prefix = ARGV[1], ARGV[2], ARGV[3]
-local removed = 0
-for i = 4, #ARGV do
-  local digest = redis.call('HGET', engine, ARGV[i])
+
+-- The blocks (and their key -> hashes entries) the known hashes point at, each read once.
+local digests = call_range('HMGET', engine, ARGV, 4, #ARGV)
+local key_at, keys, names = {}, {}, {}
+for i, digest in ipairs(digests) do
   if digest then
     local key = hex_key(digest)
-    local rest, dropped = drop_field(block_prefix .. key, field)
-    if dropped then
+    key_at[i] = key
+    if names[key] == nil then
+      keys[#keys + 1] = key
+      names[key] = block_prefix .. key
+    end
+  else
+    key_at[i] = false
+  end
+end
+if #keys == 0 then return 0 end
+local block_names = {}
+for i, key in ipairs(keys) do block_names[i] = names[key] end
+local before = call_many('MGET', nil, block_names)
+local was = call_many('HMGET', hashes_of, keys)
+local after, linked = {}, {}
+for i, key in ipairs(keys) do
+  after[block_names[i]] = before[i]
+  linked[key] = was[i]
+end
+
+-- Replay the hashes in order: drop the entry from its block; when the pod then holds the block
+-- on no tier, every engine hash pointing at it goes (later hashes among them are unknown).
+local removed, dropped, forgotten, unknown, gone_hashes = 0, {}, {}, {}, {}
+for i = 1, #ARGV - 3 do
+  local h, key = ARGV[3 + i], key_at[i]
+  if key and not unknown[h] then
+    local name = names[key]
+    local cur = after[name]
+    if cur and has_word(cur, field) then
+      local rest = without(cur, field)
+      after[name] = rest
       removed = removed + 1
-      redis.call('SREM', tier_set, key)
-      if not (rest and has_prefix(rest, pod_prefix)) then forget(engine, hashes_of, key) end
+      dropped[#dropped + 1] = key
+      local hs = linked[key]
+      if hs and not (rest and has_prefix(rest, pod_prefix)) then
+        for w in string.gmatch(hs, '%S+') do
+          unknown[w] = true
+          gone_hashes[#gone_hashes + 1] = w
+        end
+        forgotten[#forgotten + 1] = key
+        linked[key] = false
+      end
     end
   end
 end
+if removed == 0 then return 0 end
+save_blocks(block_names, before, after)
+call_many('SREM', tier_set, dropped)
+call_many('HDEL', engine, gone_hashes)
+call_many('HDEL', hashes_of, forgotten)
 if redis.call('EXISTS', tier_set) == 0 then redis.call('SREM', pods, field) end
 return removed
 """
@@ -214,7 +422,7 @@ return removed
 
 # KEYS: pods set, engine map, key -> hashes map.
 # ARGV: pod field prefix "P@", block prefix, tier-set prefix "kv:{M}:p:P:t:".
-_CLEAR_POD = (
+_CLEAR_POD = _Script(
     "#!lua\n"
     + _LUA_HELPERS
     + """
@@ -226,7 +434,15 @@ for _, field in ipairs(redis.call('SMEMBERS', pods)) do
     local tier_set = tier_prefix .. string.sub(field, #pod_prefix + 1)
     repeat
       local keys = redis.call('SPOP', tier_set, 1000)
-      for _, key in ipairs(keys) do drop_field(block_prefix .. key, field) end
+      if #keys > 0 then
+        local block_names, after = {}, {}
+        for i, key in ipairs(keys) do block_names[i] = block_prefix .. key end
+        local before = redis.call('MGET', unpack(block_names))
+        for i, name in ipairs(block_names) do
+          after[name] = before[i] and without(before[i], field)
+        end
+        save_blocks(block_names, before, after)
+      end
       removed = removed + #keys
     until #keys == 0
     redis.call('SREM', pods, field)
@@ -238,7 +454,7 @@ return removed
 )
 
 # KEYS: pods set. ARGV: block prefix, pod prefix "kv:{M}:p:".
-_CLEAR_MODEL = """#!lua
+_CLEAR_MODEL = _Script("""#!lua
 local pods = KEYS[1]
 local block_prefix, pod_prefix = ARGV[1], ARGV[2]
 local removed = 0
@@ -258,10 +474,10 @@ for _, field in ipairs(redis.call('SMEMBERS', pods)) do
 end
 redis.call('DEL', pods)
 return removed
-"""
+""")
 
 # KEYS: pods set. ARGV: pod prefix "kv:{M}:p:". Returns a flat list: "P@T", count, ...
-_POD_BLOCKS = """#!lua flags=no-writes
+_POD_BLOCKS = _Script("""#!lua flags=no-writes
 local out = {}
 for _, field in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local at = string.find(field, '@', 1, true)
@@ -270,7 +486,16 @@ for _, field in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   out[#out + 1] = redis.call('SCARD', tier_set)
 end
 return out
-"""
+""")
+
+_SCRIPTS = (_STORE, _REMOVE, _CLEAR_POD, _CLEAR_MODEL, _POD_BLOCKS)
+
+
+def _raise_if_error(reply: Any) -> Any:
+    """``reply``, unless it is an error of a pipeline run with ``raise_on_error=False``."""
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
 
 
 def _block_names(block_prefix: bytes, keys: Sequence[BlockKey]) -> list[bytes]:
@@ -307,11 +532,6 @@ class RedisIndex:
         self._namespace = namespace
         self._models_key = namespace.encode() + b":models"
         self._models_seen: set[str] = set()  # set.add is atomic: no lock needed
-        self._store = client.register_script(_STORE)
-        self._remove = client.register_script(_REMOVE)
-        self._clear_pod = client.register_script(_CLEAR_POD)
-        self._clear_model = client.register_script(_CLEAR_MODEL)
-        self._pod_blocks = client.register_script(_POD_BLOCKS)
 
     @classmethod
     def from_url(cls, url: str, *, namespace: str = DEFAULT_NAMESPACE, **options: Any) -> RedisIndex:
@@ -332,48 +552,85 @@ class RedisIndex:
     def store(self, *, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> None:
         if not blocks:
             return
-        mk = _model_keys(self._namespace, model)
-        p, t = encode_name(pod), encode_name(tier)
-        tier_prefix, engine, hashes_of = mk.pod_keys(p)
-        keys = [tier_prefix + t, engine, hashes_of, mk.pods]
-        args: list[bytes | int] = [p + b"@" + t]
-        block_prefix = mk.block_prefix
-        for b in blocks:
-            hex_key = b"%016x" % b.key
-            keys.append(block_prefix + hex_key)
-            args += (hex_key, b.engine_hash, b.digest)
         self._note_model(model)
-        self._run(self._store, keys, args)
+        self._run(*self._store_call(model, pod, tier, blocks))
 
     @_unavailable_on_connection_error
     def remove(self, *, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
         if not engine_hashes:
             return 0
-        mk = _model_keys(self._namespace, model)
-        p, t = encode_name(pod), encode_name(tier)
-        tier_prefix, engine, hashes_of = mk.pod_keys(p)
-        keys = [engine, hashes_of, mk.pods, tier_prefix + t]
-        args = [p + b"@" + t, mk.block_prefix, p + b"@", *engine_hashes]
-        return int(self._run(self._remove, keys, args))
+        return int(self._run(*self._remove_call(model, pod, tier, engine_hashes)))
 
     @_unavailable_on_connection_error
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod``; returns the number of ``(key, tier)`` entries. With
         ``model=None`` it walks every model in ``kv:models`` (one atomic script per model)."""
-        p = encode_name(pod)
-        removed = 0
-        for m in self._models() if model is None else [model]:
-            mk = _model_keys(self._namespace, m)
-            tier_prefix, engine, hashes_of = mk.pod_keys(p)
-            keys = [mk.pods, engine, hashes_of]
-            removed += int(self._run(self._clear_pod, keys, [p + b"@", mk.block_prefix, tier_prefix]))
-        return removed
+        models = self._models() if model is None else [model]
+        return sum(int(self._run(*self._clear_pod_call(m, pod))) for m in models)
+
+    @_unavailable_on_connection_error
+    def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
+        """Apply ``updates`` in order (see ``KVIndex``): one non-transactional pipeline of the
+        scripts that ``store``, ``remove`` and ``clear_pod`` run, so each update is atomic and
+        another client may see a prefix of them applied. Empty stores and removes are not sent;
+        models this client has not written yet are added to ``kv:models`` in the same pipeline.
+        ``TypeError`` for anything that is not an ``IndexUpdate``, before anything is sent.
+
+        When the server has lost the scripts (``SCRIPT FLUSH``, a restart), all of them are
+        loaded and the updates it refused are sent again, in order: two more round trips. Only
+        if another client reloaded the scripts while this pipeline ran (the server refusing an
+        update and running a later one) can an update run before one that precedes it."""
+        calls: list[tuple[int, _Call]] = []  # (position in updates, call)
+        counts = [0] * len(updates)
+        new_models: set[str] = set()
+        for i, update in enumerate(updates):
+            if isinstance(update, Store):
+                if update.blocks:
+                    calls.append((i, self._store_call(update.model, update.pod, update.tier, update.blocks)))
+                    if update.model not in self._models_seen:
+                        new_models.add(update.model)
+            elif isinstance(update, Remove):
+                if update.engine_hashes:
+                    call = self._remove_call(update.model, update.pod, update.tier, update.engine_hashes)
+                    calls.append((i, call))
+            elif isinstance(update, ClearPod):
+                calls.append((i, self._clear_pod_call(update.model, update.pod)))
+            else:
+                raise TypeError(f"not an index update: {update!r}")
+        if not calls:
+            return counts
+
+        pipe = self._client.pipeline(transaction=False)
+        if new_models:
+            pipe.sadd(self._models_key, *(m.encode() for m in sorted(new_models)))
+        for _, (script, keys, args) in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        if new_models:
+            _raise_if_error(replies[0])
+            self._models_seen.update(new_models)
+            replies = replies[1:]
+
+        refused = []
+        for (i, call), reply in zip(calls, replies, strict=True):
+            if isinstance(reply, NoScriptError):
+                refused.append((i, call))
+            else:
+                counts[i] = int(_raise_if_error(reply))
+        if refused:
+            self._load_scripts()
+            pipe = self._client.pipeline(transaction=False)
+            for _, (script, keys, args) in refused:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            for (i, _), reply in zip(refused, pipe.execute(raise_on_error=False), strict=True):
+                counts[i] = int(_raise_if_error(reply))
+        return counts
 
     @_unavailable_on_connection_error
     def clear_model(self, *, model: str) -> int:
         """Remove everything under ``model``; returns the number of ``(key, pod, tier)`` entries."""
         mk = _model_keys(self._namespace, model)
-        return int(self._run(self._clear_model, [mk.pods], [mk.block_prefix, mk.pod_prefix]))
+        return int(self._run(_CLEAR_MODEL, [mk.pods], [mk.block_prefix, mk.pod_prefix]))
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -421,7 +678,7 @@ class RedisIndex:
         out: list[PodBlocks] = []
         for m in sorted(self._models()) if model is None else [model]:
             mk = _model_keys(self._namespace, m)
-            flat = self._run(self._pod_blocks, [mk.pods], [mk.pod_prefix])
+            flat = self._run(_POD_BLOCKS, [mk.pods], [mk.pod_prefix])
             by_pod: dict[str, dict[Tier, int]] = {}
             for i in range(0, len(flat), 2):
                 count = int(flat[i + 1])
@@ -443,9 +700,54 @@ class RedisIndex:
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    def _run(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes | int]) -> Any:
-        """Run ``script`` with EVALSHA (loading it first if the server does not know it)."""
-        return script(keys=keys, args=args, client=self._client)
+    def _store_call(self, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> _Call:
+        """The script, keys and arguments of a store of non-empty ``blocks``."""
+        mk = _model_keys(self._namespace, model)
+        p, t = encode_name(pod), encode_name(tier)
+        tier_prefix, engine, hashes_of = mk.pod_keys(p)
+        keys = [tier_prefix + t, engine, hashes_of, mk.pods]
+        hex_keys = [b"%016x" % b.key for b in blocks]
+        block_prefix = mk.block_prefix
+        keys += [block_prefix + k for k in hex_keys]
+        engine_hashes = [b.engine_hash for b in blocks]
+        distinct = len(set(hex_keys)) == len(set(engine_hashes)) == len(blocks)
+        args: list[bytes | int] = [p + b"@" + t, p + b"@", b"1" if distinct else b"0", *hex_keys]
+        args += engine_hashes
+        args += [b.digest for b in blocks]
+        return _STORE, keys, args
+
+    def _remove_call(self, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> _Call:
+        """The script, keys and arguments of a remove of non-empty ``engine_hashes``."""
+        mk = _model_keys(self._namespace, model)
+        p, t = encode_name(pod), encode_name(tier)
+        tier_prefix, engine, hashes_of = mk.pod_keys(p)
+        keys = [engine, hashes_of, mk.pods, tier_prefix + t]
+        return _REMOVE, keys, [p + b"@" + t, mk.block_prefix, p + b"@", *engine_hashes]
+
+    def _clear_pod_call(self, model: str, pod: str) -> _Call:
+        """The script, keys and arguments of a ``clear_pod`` under one model."""
+        mk = _model_keys(self._namespace, model)
+        p = encode_name(pod)
+        tier_prefix, engine, hashes_of = mk.pod_keys(p)
+        return _CLEAR_POD, [mk.pods, engine, hashes_of], [p + b"@", mk.block_prefix, tier_prefix]
+
+    def _run(self, script: _Script, keys: Sequence[bytes], args: Sequence[bytes | int]) -> Any:
+        """Run ``script`` with ``EVALSHA``; if the server does not know it, load every script and
+        run it once more."""
+        try:
+            return self._client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self._load_scripts()
+            return self._client.evalsha(script.sha, len(keys), *keys, *args)
+
+    def _load_scripts(self) -> None:
+        """``SCRIPT LOAD`` every script, in one round trip: loading them all at once (rather than
+        the one found missing) keeps a batch of ``apply_updates`` from finding some there and
+        some not."""
+        pipe = self._client.pipeline(transaction=False)
+        for script in _SCRIPTS:
+            pipe.script_load(script.source)
+        pipe.execute()
 
     def _note_model(self, model: str) -> None:
         """Add ``model`` to ``kv:models`` the first time this client writes it."""

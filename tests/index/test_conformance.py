@@ -5,6 +5,7 @@ Each test runs against the in-memory index and against a real Valkey server.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from scoring.index import KVIndex, MemoryIndex, PodBlocks, open_index
+from scoring.index.base import ClearPod, IndexUpdate, Remove, Store
 from tests.index import MODEL, chain, hashes, keys
 
 A, B, C, D = chain(4)
@@ -247,6 +249,135 @@ def test_a_pod_whose_last_block_goes_is_no_longer_listed(index: KVIndex) -> None
     index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[A.engine_hash])
 
     assert index.pod_blocks() == []
+
+
+# -- batched updates ---------------------------------------------------------------------------
+
+
+def mixed_updates(model: str) -> list[IndexUpdate]:
+    """Stores, removes and a clear whose result depends on their order."""
+    return [
+        Store(model, "pod1", "gpu", FOUR),
+        Store(model, "pod2", "gpu", [A, B]),
+        Store(model, "pod1", "cpu", [A]),
+        Remove(model, "pod1", "gpu", [A.engine_hash, B.engine_hash, 12345]),
+        ClearPod(model, "pod2"),
+        Store(model, "pod2", "cpu", [C, D]),
+        Remove(model, "pod1", "cpu", [A.engine_hash]),
+        Store(model, "pod1", "gpu", []),
+        Remove(model, "pod1", "gpu", []),
+        Store(model, "pod3", "gpu", [A]),
+    ]
+
+
+def apply_one_by_one(index: KVIndex, updates: list[IndexUpdate]) -> list[int]:
+    counts = []
+    for u in updates:
+        if isinstance(u, Store):
+            index.store(model=u.model, pod=u.pod, tier=u.tier, blocks=u.blocks)
+            counts.append(len(u.blocks))
+        elif isinstance(u, Remove):
+            counts.append(index.remove(model=u.model, pod=u.pod, tier=u.tier, engine_hashes=u.engine_hashes))
+        else:
+            counts.append(index.clear_pod(pod=u.pod, model=u.model))
+    return counts
+
+
+def state(index: KVIndex, model: str) -> tuple:
+    """Everything a reader can see under ``model``."""
+    return (
+        [index.lookup(model=model, keys=[k]) for k in keys(FOUR)],
+        {
+            pod: index.resolve(model=model, pod=pod, engine_hashes=hashes(FOUR))
+            for pod in ("pod1", "pod2", "pod3")
+        },
+        [(p.pod, p.blocks_by_tier) for p in index.pod_blocks(model=model)],
+    )
+
+
+def test_apply_updates_applies_them_in_order_and_counts_each(index: KVIndex) -> None:
+    counts = index.apply_updates(mixed_updates(MODEL))
+
+    assert counts == [4, 2, 1, 2, 2, 2, 1, 0, 0, 1]
+    assert index.lookup(model=MODEL, keys=keys(FOUR)) == [{"pod3": GPU}]
+    assert index.lookup(model=MODEL, keys=[C.key, D.key]) == [{"pod1": GPU, "pod2": CPU}] * 2
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=hashes(FOUR)) == [
+        None,
+        None,
+        C.digest,
+        D.digest,
+    ]
+    assert index.pod_blocks() == [
+        PodBlocks(MODEL, "pod1", {"gpu": 2}),
+        PodBlocks(MODEL, "pod2", {"cpu": 2}),
+        PodBlocks(MODEL, "pod3", {"gpu": 1}),
+    ]
+
+
+def test_apply_updates_does_what_the_single_calls_do(index: KVIndex) -> None:
+    batched = index.apply_updates(mixed_updates("batched"))
+    one_by_one = apply_one_by_one(index, mixed_updates("single"))
+
+    assert batched == one_by_one
+    assert state(index, "batched") == state(index, "single")
+
+
+def test_apply_updates_keeps_the_order_of_a_store_and_a_remove(index: KVIndex) -> None:
+    assert index.apply_updates(
+        [Store(MODEL, "pod1", "gpu", [A]), Remove(MODEL, "pod1", "gpu", [A.engine_hash])]
+    ) == [1, 1]
+    assert index.lookup(model=MODEL, keys=[A.key]) == []
+
+    assert index.apply_updates(
+        [Remove(MODEL, "pod1", "gpu", [A.engine_hash]), Store(MODEL, "pod1", "gpu", [A])]
+    ) == [0, 1]
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": GPU}]
+
+
+def test_apply_updates_of_nothing_changes_nothing(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=FOUR)
+
+    assert index.apply_updates([]) == []
+    assert index.apply_updates([Store(MODEL, "pod1", "gpu", []), Remove(MODEL, "pod1", "gpu", [])]) == [0, 0]
+    assert index.apply_updates([ClearPod(MODEL, "nobody"), ClearPod("no-model", "pod1")]) == [0, 0]
+    assert index.pod_blocks() == [PodBlocks(MODEL, "pod1", {"gpu": 4})]
+
+
+def test_apply_updates_rejects_what_is_not_an_update_before_applying_any(index: KVIndex) -> None:
+    with pytest.raises(TypeError):
+        index.apply_updates([Store(MODEL, "pod1", "gpu", [A]), ("store", MODEL)])  # type: ignore[list-item]
+
+    assert index.pod_blocks() == []
+
+
+def test_apply_updates_agrees_with_single_calls_on_a_random_workload(index: KVIndex) -> None:
+    rng = random.Random(5)
+    # Engine hashes 77.. name different blocks in the second chain: they get re-pointed.
+    blocks = chain(10) + chain(4, first_token=1000, engine_hash_offset=77) + chain(3, engine_hash_offset=77)
+    pods, tiers = ["p1", "p2", "p3"], ["gpu", "cpu"]
+    for _ in range(40):
+        batch: list[IndexUpdate] = []
+        for _ in range(rng.randrange(1, 12)):
+            pod, tier, action = rng.choice(pods), rng.choice(tiers), rng.random()
+            if action < 0.55:
+                start = rng.randrange(len(blocks))
+                batch.append(Store(MODEL, pod, tier, blocks[start : start + rng.randrange(1, 7)]))
+            elif action < 0.9:
+                batch.append(Remove(MODEL, pod, tier, hashes(rng.sample(blocks, 4))))
+            else:
+                batch.append(ClearPod(MODEL, pod))
+        mirrored = [dataclasses.replace(u, model="single") for u in batch]
+
+        assert index.apply_updates(batch) == apply_one_by_one(index, mirrored)
+        for pod in pods:
+            assert index.resolve(model=MODEL, pod=pod, engine_hashes=hashes(blocks)) == index.resolve(
+                model="single", pod=pod, engine_hashes=hashes(blocks)
+            )
+        for k in keys(blocks):
+            assert index.lookup(model=MODEL, keys=[k]) == index.lookup(model="single", keys=[k])
+    assert [(p.pod, p.blocks_by_tier) for p in index.pod_blocks(model=MODEL)] == [
+        (p.pod, p.blocks_by_tier) for p in index.pod_blocks(model="single")
+    ]
 
 
 # -- names -------------------------------------------------------------------------------------

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
 from scoring.index import MemoryIndex, PodBlocks, open_index
+from scoring.index.base import ClearPod, Remove, Store
 from scoring.index.memory import DEFAULT_MAX_KEYS, DEFAULT_POD_CACHE_SIZE
 from scoring.keys import key_of
 from tests.index import MODEL, chain, hashes, keys
@@ -150,6 +152,56 @@ def test_reverse_index_and_engine_map_stay_consistent_under_random_evictions() -
         assert_consistent(index)
         peak = max(peak, len(index))
     assert peak == index.max_keys  # the workload reaches the bound, so evictions did happen
+
+
+class CountingLock:
+    """A lock that counts how often it was taken."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.taken += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_apply_updates_takes_the_lock_once_for_the_whole_batch() -> None:
+    index = MemoryIndex()
+    index._lock = lock = CountingLock()  # type: ignore[assignment]
+
+    counts = index.apply_updates(
+        [
+            Store(MODEL, "pod1", "gpu", [A, B]),
+            Remove(MODEL, "pod1", "gpu", [A.engine_hash]),
+            ClearPod(MODEL, "pod2"),
+            Store(MODEL, "pod2", "cpu", [C]),
+        ]
+    )
+
+    assert counts == [2, 1, 0, 1]
+    assert lock.taken == 1
+
+
+def test_apply_updates_keeps_the_bounds() -> None:
+    index = MemoryIndex(max_keys=2, pod_cache_size=2)
+
+    index.apply_updates(
+        [
+            Store(MODEL, "pod1", "gpu", [A, B]),
+            Store(MODEL, "pod2", "gpu", [A]),
+            Store(MODEL, "pod3", "gpu", [A]),
+            Store(MODEL, "pod1", "gpu", [C]),
+        ]
+    )
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod2": GPU, "pod3": GPU}]
+    assert index.lookup(model=MODEL, keys=[B.key]) == []
+    assert index.lookup(model=MODEL, keys=[C.key]) == [{"pod1": GPU}]
+    assert_consistent(index)
 
 
 def test_close_empties_the_index() -> None:

@@ -9,16 +9,19 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
-from scoring.index import IndexUnavailable, MemoryIndex, open_index
+from scoring.index import IndexUnavailable, MemoryIndex, StoredBlock, open_index
+from scoring.index.base import ClearPod, Remove, Store
 from scoring.index.redis import RedisIndex, decode_name, encode_name
 from scoring.keys import key_of
 from tests.index import MODEL, chain, hashes, keys
-from tests.servers import free_port
+from tests.servers import RedisServer, free_port
 
 A, B = chain(2)
 GPU = frozenset({"gpu"})
+CPU = frozenset({"cpu"})
 
 
 @pytest.fixture
@@ -184,6 +187,101 @@ def test_scripts_are_loaded_again_after_a_script_flush(index: RedisIndex, server
     assert index.lookup(model=MODEL, keys=[A.key, B.key]) == [{"pod1": GPU}] * 2
 
 
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write to a server socket from here on (a pipeline is one), as the bytes sent."""
+    sent: list[bytes] = []
+    original = AbstractConnection.send_packed_command
+
+    def send_packed_command(self, command, check_health=True):
+        sent.append(command if isinstance(command, bytes) else b"".join(command))
+        return original(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", send_packed_command)
+    return sent
+
+
+def test_apply_updates_is_one_round_trip(
+    index: RedisIndex, server: redis.Redis, round_trips: list[bytes]
+) -> None:
+    # The connection is set up (and reused from here) and the scripts are loaded.
+    index.remove(model=MODEL, pod="nobody", tier="gpu", engine_hashes=[1])
+    server.config_resetstat()
+    round_trips.clear()
+
+    counts = index.apply_updates(
+        [
+            Store(MODEL, "pod1", "gpu", [A, B]),
+            Store("other-model", "pod1", "gpu", [A]),
+            Remove(MODEL, "pod1", "gpu", [A.engine_hash]),
+            ClearPod("other-model", "pod1"),
+        ]
+    )
+
+    assert counts == [2, 1, 1, 1]
+    assert len(round_trips) == 1
+    assert server.info("commandstats")["cmdstat_evalsha"]["calls"] == 4
+    assert index.lookup(model=MODEL, keys=[A.key, B.key]) == []
+    assert index.lookup(model=MODEL, keys=[B.key]) == [{"pod1": GPU}]
+    assert server.smembers("kv:models") == {MODEL.encode(), b"other-model"}
+
+
+def test_apply_updates_loads_the_scripts_again_after_a_script_flush(
+    index: RedisIndex, server: redis.Redis, round_trips: list[bytes]
+) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    server.script_flush()
+    round_trips.clear()
+
+    counts = index.apply_updates(
+        [
+            Store(MODEL, "pod1", "cpu", [A, B]),
+            Remove(MODEL, "pod1", "gpu", [A.engine_hash]),
+            Store(MODEL, "pod2", "gpu", [B]),
+        ]
+    )
+
+    assert counts == [2, 1, 1]
+    assert len(round_trips) == 3  # refused, scripts loaded, sent again
+    assert index.apply_updates([Remove(MODEL, "pod1", "cpu", [A.engine_hash])]) == [1]
+    assert len(round_trips) == 4
+    assert index.lookup(model=MODEL, keys=[A.key, B.key]) == []
+    assert index.lookup(model=MODEL, keys=[B.key]) == [{"pod1": CPU, "pod2": GPU}]
+    assert_consistent(server)
+
+
+def _inner_commands(server: redis.Redis) -> int:
+    """Commands run since the last CONFIG RESETSTAT, other than the scripts themselves."""
+    stats = server.info("commandstats")
+    return sum(
+        s["calls"]
+        for name, s in stats.items()
+        if name.split("_", 1)[1] not in ("evalsha", "config|resetstat")
+    )
+
+
+@pytest.mark.parametrize("size", [16, 64])
+def test_a_store_or_remove_makes_the_same_few_commands_whatever_its_size(
+    index: RedisIndex, server: redis.Redis, size: int
+) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])  # kv:models written, scripts loaded
+    blocks = chain(size, first_token=5000)
+
+    server.config_resetstat()
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    store_commands = _inner_commands(server)
+
+    server.config_resetstat()
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    store_again_commands = _inner_commands(server)
+
+    server.config_resetstat()
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks)) == size
+    remove_commands = _inner_commands(server)
+
+    assert (store_commands, store_again_commands, remove_commands) == (7, 4, 8)
+
+
 # -- failures ---------------------------------------------------------------------------------------
 
 
@@ -198,6 +296,27 @@ def test_an_unreachable_server_is_index_unavailable() -> None:
         index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
     with pytest.raises(IndexUnavailable):
         index.pod_blocks()
+
+
+def test_apply_updates_on_an_unreachable_server_is_index_unavailable() -> None:
+    index = open_index(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
+
+    with pytest.raises(IndexUnavailable):
+        index.apply_updates([Store(MODEL, "pod1", "gpu", [A]), Remove(MODEL, "pod1", "gpu", [A.engine_hash])])
+    with pytest.raises(IndexUnavailable):
+        index.apply_updates([ClearPod(MODEL, "pod1")])
+
+
+def test_apply_updates_after_the_server_went_down_is_index_unavailable() -> None:
+    own = RedisServer()
+    try:
+        index = open_index(own.url, socket_connect_timeout=0.5)
+        assert index.apply_updates([Store(MODEL, "pod1", "gpu", [A])]) == [1]
+    finally:
+        own.stop()
+
+    with pytest.raises(IndexUnavailable):
+        index.apply_updates([Store(MODEL, "pod1", "gpu", [B])])
 
 
 def test_responses_must_stay_bytes(redis_url: str) -> None:
@@ -242,4 +361,61 @@ def test_agrees_with_the_memory_index_on_a_random_workload(index: RedisIndex, se
             )
     assert index.pod_blocks() == oracle.pod_blocks()
     assert index.pod_blocks() != []
+    assert_consistent(server)
+
+
+def test_a_store_naming_a_block_or_engine_hash_twice_agrees_with_the_memory_index(
+    index: RedisIndex, server: redis.Redis
+) -> None:
+    oracle = MemoryIndex()
+    first, second = chain(2, engine_hash_offset=500)
+    other = chain(1, first_token=300, engine_hash_offset=500)[0]  # hash 500 again, another block
+    again = StoredBlock(key=first.key, engine_hash=900, digest=first.digest)  # first, a second hash
+    calls = [
+        ("pod1", [first, first, second]),
+        ("pod1", [first, other, first, again]),
+        ("pod1", [second, again, other, second]),
+        ("pod1", [other, other]),
+        ("pod2", [first, other]),  # new to the pod: hash 500 first names first, then other
+        ("pod3", [first, again]),  # new to the pod: two hashes for one block
+    ]
+    for pod, blocks in calls:
+        index.store(model=MODEL, pod=pod, tier="gpu", blocks=blocks)
+        oracle.store(model=MODEL, pod=pod, tier="gpu", blocks=blocks)
+
+        for block in (first, second, other):
+            assert index.lookup(model=MODEL, keys=[block.key]) == oracle.lookup(model=MODEL, keys=[block.key])
+        assert index.resolve(model=MODEL, pod=pod, engine_hashes=[500, 501, 900]) == oracle.resolve(
+            model=MODEL, pod=pod, engine_hashes=[500, 501, 900]
+        )
+        assert_consistent(server)
+    assert index.remove(
+        model=MODEL, pod="pod1", tier="gpu", engine_hashes=[900, 500, 501, 900]
+    ) == oracle.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=[900, 500, 501, 900])
+    assert index.pod_blocks() == oracle.pod_blocks()
+    assert_consistent(server)
+
+
+def test_stores_and_removes_larger_than_a_lua_unpack_agree_with_the_memory_index(
+    index: RedisIndex, server: redis.Redis
+) -> None:
+    # Adopted blocks (digest = the key's 8 bytes): cheap to make in bulk. 5000 blocks are 15000
+    # script arguments, more than Lua can unpack at once: the scripts work in chunks.
+    blocks = [StoredBlock(key=k, engine_hash=10**12 + k, digest=k.to_bytes(8, "big")) for k in range(1, 5001)]
+    oracle = MemoryIndex()
+    for idx in (index, oracle):
+        idx.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+        idx.store(model=MODEL, pod="pod2", tier="gpu", blocks=blocks[1000:])
+        idx.store(model=MODEL, pod="pod1", tier="cpu", blocks=blocks[::2])
+
+    assert index.lookup(model=MODEL, keys=keys(blocks)) == oracle.lookup(model=MODEL, keys=keys(blocks))
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks[:4000])) == 4000
+    oracle.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks[:4000]))
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=hashes(blocks)) == oracle.resolve(
+        model=MODEL, pod="pod1", engine_hashes=hashes(blocks)
+    )
+    assert index.pod_blocks() == oracle.pod_blocks()
+    assert_consistent(server)
+    assert index.clear_pod(pod="pod1", model=MODEL) == oracle.clear_pod(pod="pod1", model=MODEL) == 3500
+    assert index.lookup(model=MODEL, keys=keys(blocks[1000:])) == [{"pod2": GPU}] * 4000
     assert_consistent(server)
