@@ -50,13 +50,14 @@ class StreamStats:
         return self.aligned_blocks / n if n else None
 
     def observe_seq(self, seq: int) -> None:
-        """Count gaps (seq jumped ahead: batches lost) and restarts (seq went back)."""
+        """Count gaps (seq jumped ahead: batches lost) and restarts (seq went back). The same
+        seq again is a re-delivery (e.g. a retry after an index outage), neither."""
         last = self.last_seq
         if last is not None:
             if seq > last + 1:
                 self.seq_gaps += 1
                 self.missed_batches += seq - last - 1
-            elif seq <= last:
+            elif seq < last:
                 self.restarts += 1
         self.last_seq = seq
 
