@@ -20,6 +20,7 @@ import zmq
 from ingest.events import BlockStored, encode_batch, encode_message
 from ingest.publish import STATS_KEY
 from scoring.index import open_index
+from scoring.keys import block_keys
 from tests.ingest.conftest import MODEL, wait_until
 from tests.servers import free_port
 
@@ -109,6 +110,26 @@ def test_ingest_process_indexes_registers_reports_and_drains(ingest_process, red
             ]
 
         assert wait_until(shared, timeout=10, what="stats shared through Redis")[0]["aligned_blocks"] >= 25
+
+        # A seed changed in the registry reaches the running process within 5 s: a new pod's
+        # first blocks are then keyed from the new seed's root.
+        changed_at = time.monotonic()
+        with sqlite3.connect(ingest_process.db) as db:
+            db.execute(
+                "insert or replace into scoring_hashseed (id, value, updated_at)"
+                " values (1, '7', datetime('now'))"
+            )
+        new_keys = block_keys(base_capture["token_ids"], seed="7")
+
+        def rekeyed() -> bool:
+            nonlocal seq
+            pub.send_multipart(encode_message("pod-b", MODEL, seq, payload))
+            seq += 1
+            time.sleep(0.05)
+            return len(index.lookup(model=MODEL, keys=new_keys, pods=["pod-b"])) == 25
+
+        wait_until(rekeyed, timeout=10, what="blocks keyed with the new seed")
+        assert time.monotonic() - changed_at < 5
 
         ingest_process.send_signal(signal.SIGTERM)
         output, _ = ingest_process.communicate(timeout=20)

@@ -1,0 +1,150 @@
+"""The Django admin of the registry, driven through real HTTP requests of a logged-in staff user:
+changes that clear index data must be confirmed before they are saved, and then they clear it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from django.contrib.auth.models import User
+
+from scoring import services
+from scoring.index import KVIndex, StoredBlock, open_index
+from scoring.keys import block_digest, key_of, root_digest
+from scoring.models import HashSeed, ModelConfig, Pod
+from scoring.selectors import invalidate_service_config, service_config
+
+MODEL = "Qwen/Qwen3-0.6B"
+
+
+@pytest.fixture
+def index() -> Iterator[KVIndex]:
+    idx = open_index("memory://")
+    services.set_index(idx)
+    invalidate_service_config()
+    yield idx
+    services.set_index(None)
+    invalidate_service_config()
+
+
+@pytest.fixture
+def staff(client, db):
+    user = User.objects.create_superuser("boss", password="pw-for-tests-only")
+    client.force_login(user)
+    return client
+
+
+def cache_blocks(index: KVIndex, *, pod: str, model: str = MODEL, n: int = 3) -> None:
+    digest = root_digest("")
+    blocks = []
+    for i in range(n):
+        digest = block_digest(digest, list(range(i * 16, (i + 1) * 16)))
+        blocks.append(StoredBlock(key_of(digest), key_of(digest), digest))
+    index.store(model=model, pod=pod, tier="gpu", blocks=blocks)
+
+
+def blocks_of(index: KVIndex, pod: str) -> int:
+    return sum(b.total for b in index.pod_blocks() if b.pod == pod)
+
+
+def test_changing_a_block_size_needs_confirmation_and_then_clears_the_model(staff, index):
+    config = ModelConfig.objects.create(name=MODEL, block_size=16)
+    cache_blocks(index, pod="pod-a")
+    url = f"/admin/scoring/modelconfig/{config.pk}/change/"
+    form = {
+        "name": MODEL,
+        "block_size": "32",
+        "tokenizer_source": "",
+        "chat_template": "",
+        "tier_weights": '{"gpu": 1.0, "cpu": 0.8}',
+        "other_tier_weight": "0.5",
+        "lora_adapters": "[]",
+    }
+
+    unconfirmed = staff.post(url, form)
+    assert unconfirmed.status_code == 200  # the form again, with the warning
+    assert "clears this model&#x27;s blocks" in unconfirmed.content.decode()
+    assert ModelConfig.objects.get().block_size == 16
+    assert blocks_of(index, "pod-a") == 3
+
+    confirmed = staff.post(url, {**form, "confirm_clear": "on"})
+    assert confirmed.status_code == 302
+    assert ModelConfig.objects.get().block_size == 32
+    assert blocks_of(index, "pod-a") == 0
+    assert service_config().model(MODEL).block_size == 32  # reaches this process at once
+
+
+def test_editing_a_model_without_touching_its_keys_needs_no_confirmation(staff, index):
+    config = ModelConfig.objects.create(name=MODEL, block_size=16)
+    cache_blocks(index, pod="pod-a")
+    response = staff.post(
+        f"/admin/scoring/modelconfig/{config.pk}/change/",
+        {
+            "name": MODEL,
+            "block_size": "16",
+            "tokenizer_source": "",
+            "chat_template": "",
+            "tier_weights": '{"gpu": 1.0, "cpu": 0.3}',
+            "other_tier_weight": "0.1",
+            "lora_adapters": '["Alice"]',
+        },
+    )
+    assert response.status_code == 302
+    assert blocks_of(index, "pod-a") == 3
+    assert service_config().model(MODEL).tier_weight("cpu") == pytest.approx(0.3)
+
+
+def test_changing_the_hash_seed_needs_confirmation_and_then_clears_the_index(staff, index):
+    seed = services.current_hash_seed()
+    cache_blocks(index, pod="pod-a")
+    url = f"/admin/scoring/hashseed/{seed.pk}/change/"
+
+    assert staff.post(url, {"value": "42"}).status_code == 200
+    assert HashSeed.objects.get().value == seed.value
+
+    assert staff.post(url, {"value": "42", "confirm_clear": "on"}).status_code == 302
+    assert HashSeed.objects.get().value == "42"
+    assert blocks_of(index, "pod-a") == 0
+    assert service_config().seed == "42"
+
+
+def test_disabling_a_pod_in_the_admin_removes_its_blocks_and_only_its(staff, index):
+    pod = Pod.objects.create(pod_id="pod-a", model=MODEL)
+    Pod.objects.create(pod_id="pod-b", model=MODEL)
+    cache_blocks(index, pod="pod-a")
+    cache_blocks(index, pod="pod-b")
+
+    response = staff.post(
+        f"/admin/scoring/pod/{pod.pk}/change/",
+        {"pod_id": "pod-a", "address": "", "model": MODEL, "labels": "{}"},  # "enabled" unticked
+    )
+    assert response.status_code == 302
+    assert (blocks_of(index, "pod-a"), blocks_of(index, "pod-b")) == (0, 3)
+    assert "pod-a" in service_config().disabled_pods
+
+
+def test_deleting_pods_with_the_bulk_action_removes_their_blocks(staff, index):
+    for name in ("pod-a", "pod-b"):
+        Pod.objects.create(pod_id=name, model=MODEL)
+        cache_blocks(index, pod=name)
+    ids = [str(p.pk) for p in Pod.objects.all()]
+
+    response = staff.post(
+        "/admin/scoring/pod/", {"action": "delete_selected", "_selected_action": ids, "post": "yes"}
+    )
+    assert response.status_code == 302
+    assert Pod.objects.count() == 0
+    assert index.pod_blocks() == []
+
+
+def test_the_pod_list_shows_live_block_counts(staff, index):
+    Pod.objects.create(pod_id="pod-a", model=MODEL)
+    cache_blocks(index, pod="pod-a", n=5)
+    page = staff.get("/admin/scoring/pod/").content.decode()
+    assert "gpu 5" in page
+
+
+def test_the_admin_requires_a_staff_login(client, db):
+    response = client.get("/admin/scoring/pod/")
+    assert response.status_code == 302
+    assert "/admin/login/" in response["Location"]
