@@ -10,6 +10,15 @@
 | ALLOWED_HOSTS | localhost,127.0.0.1,[::1] | comma-separated |
 | KVCACHE_HASH_SEED | $PYTHONHASHSEED or "" | the engines' PYTHONHASHSEED (initial HashSeed) |
 | KVCACHE_BLOCK_SIZE | 16 | tokens per KV block (default for models without a config) |
+| KVCACHE_API_KEYS | "" (open) | comma-separated keys; when set, scoring needs ``Bearer <key>`` auth |
+| KVCACHE_MAX_BODY_BYTES | 4194304 (4 MiB) | largest scoring request body accepted (larger: 413) |
+| KVCACHE_TOKENIZERS_DIR | "" (none) | tokenizer discovery root (HF-cache or ``org/name/`` layout) |
+| KVCACHE_ALLOW_HUB | false | download tokenizers from the model hub when no local source has one |
+| KVCACHE_PREFIX_STORE_CAPACITY | 500000 | prompt chunks the tokenization prefix store keeps (0 disables it) |
+| KVCACHE_STATS_GROUP | kvcache-ingest-stats | channel-layer group ingest sends its stats to each second |
+| DASHBOARD_PUSH_SECONDS | 1.0 | how often an open dashboard gets fresh numbers over its websocket |
+| DASHBOARD_HISTORY_SECONDS | 600 | how far back dashboard charts go (kept in each web process's memory) |
+| DASHBOARD_STALE_SECONDS | 60 | a pod with no event for this long is shown as stale |
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ INSTALLED_APPS = [
     "django_prometheus",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "scoring",
     "ingest",
@@ -80,6 +90,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_prometheus.middleware.PrometheusAfterMiddleware",
+    # Innermost, so that the whole chain runs synchronously under ASGI (why: its docstring).
+    "scoring.api.middleware.SyncMiddlewareChain",
 ]
 
 ROOT_URLCONF = "kvsite.urls"
@@ -124,6 +136,8 @@ STORAGES = {
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
 }
 WHITENOISE_USE_FINDERS = True
+# Front-end libraries come from the npm registry (`make node-deps`), never from a CDN or a copy.
+STATICFILES_DIRS = [("vendor/uplot", BASE_DIR / "node_modules" / "uplot" / "dist")]
 
 LOGIN_URL = "admin:login"
 
@@ -140,13 +154,46 @@ CHANNEL_LAYERS = {
     }
 }
 
+# --- the dashboard -------------------------------------------------------------------------
+KVCACHE_STATS_GROUP = os.environ.get("KVCACHE_STATS_GROUP", "kvcache-ingest-stats")
+DASHBOARD_PUSH_SECONDS = float(os.environ.get("DASHBOARD_PUSH_SECONDS", "1.0"))
+DASHBOARD_HISTORY_SECONDS = float(os.environ.get("DASHBOARD_HISTORY_SECONDS", "600"))
+DASHBOARD_STALE_SECONDS = float(os.environ.get("DASHBOARD_STALE_SECONDS", "60"))
+
+# --- the scoring API --------------------------------------------------------------------------
+KVCACHE_API_KEYS = env_list("KVCACHE_API_KEYS")
+KVCACHE_MAX_BODY_BYTES = int(os.environ.get("KVCACHE_MAX_BODY_BYTES", str(4 * 1024 * 1024)))
+KVCACHE_TOKENIZERS_DIR = os.environ.get("KVCACHE_TOKENIZERS_DIR", "")
+KVCACHE_ALLOW_HUB = env_bool("KVCACHE_ALLOW_HUB")
+KVCACHE_PREFIX_STORE_CAPACITY = int(os.environ.get("KVCACHE_PREFIX_STORE_CAPACITY", "500000"))
+
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # Safe defaults: a view that says nothing is for staff only. Scoring views open themselves up
+    # (API keys, when configured); see scoring/api/auth.py.
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.BasicAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    "EXCEPTION_HANDLER": "scoring.api.errors.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "KV-cache aware routing service",
-    "DESCRIPTION": "Per-pod KV-cache prefix scores for LLM request routing.",
+    "DESCRIPTION": (
+        "Per-pod KV-cache prefix scores for LLM request routing. Scoring endpoints need "
+        "`Authorization: Bearer <key>` when KVCACHE_API_KEYS is set; registry endpoints need a staff "
+        "login (session or HTTP basic)."
+    ),
     "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SERVE_AUTHENTICATION": [],
+    "COMPONENT_SPLIT_REQUEST": True,
+    # Swagger UI and ReDoc assets from the drf-spectacular-sidecar package: no CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 LOGGING = {

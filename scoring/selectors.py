@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 
+import redis
 from django.conf import settings
 
+from ingest.publish import read_snapshots
 from scoring.config import DEFAULT_OTHER_TIER_WEIGHT, ModelSettings, ServiceConfig
+from scoring.index import IndexUnavailable
 from scoring.models import HashSeed, ModelConfig, Pod
+from scoring.read_path import DP_RANK_SEPARATOR
 
 CONFIG_REFRESH_SECONDS = 2.0
 """How stale a process's view of the registry may be (the promise is: live within 5 s)."""
@@ -69,3 +75,137 @@ def service_config() -> ServiceConfig:
 
 def invalidate_service_config() -> None:
     _config_cache.invalidate()
+
+
+# --- live state beside the registry: the index's block counts, the ingest processes' stats ---
+
+INGEST_STATS_TIMEOUT_SECONDS = 0.5
+"""How long a request waits for the Redis holding the ingest stats before going without them."""
+
+_STREAM_LATEST_FIELDS = ("last_seq", "lag_seconds")
+_STREAM_NOT_SUMMED = frozenset(
+    {
+        "pod",
+        "rank",
+        "model",
+        "decode_errors",
+        "first_event_at",
+        "last_event_at",
+        "hash_alignment",
+        *_STREAM_LATEST_FIELDS,
+    }
+)
+
+_stats_clients: dict[str, redis.Redis] = {}
+_stats_clients_lock = threading.Lock()
+
+
+def _ingest_stats_client() -> redis.Redis:
+    """One client per ``REDIS_URL`` (a pool of connections, shared by every request)."""
+    url = settings.REDIS_URL
+    client = _stats_clients.get(url)
+    if client is None:
+        with _stats_clients_lock:
+            client = _stats_clients.get(url)
+            if client is None:
+                client = _stats_clients[url] = redis.Redis.from_url(
+                    url,
+                    socket_connect_timeout=INGEST_STATS_TIMEOUT_SECONDS,
+                    socket_timeout=INGEST_STATS_TIMEOUT_SECONDS,
+                )
+    return client
+
+
+def ingest_snapshots() -> list[dict] | None:
+    """The fresh snapshots of every running ingest process (``IngestStats.snapshot`` shape), read
+    from ``REDIS_URL``; ``None`` when that Redis cannot be reached (the caller says so)."""
+    try:
+        return read_snapshots(_ingest_stats_client())
+    except redis.RedisError:
+        return None
+
+
+def merge_streams(snapshots: Iterable[dict]) -> list[dict]:
+    """The streams of several ingest processes as one list, one entry per (pod, rank, model):
+    counters summed, first/last event times widened, the latest process's seq and lag kept.
+    Sorted by pod then rank. (Two processes share a stream only when both receive one pod.)"""
+    merged: dict[tuple[str, int, str], dict] = {}
+    for snapshot in snapshots:
+        for stream in snapshot.get("streams", ()):
+            key = (stream["pod"], stream["rank"], stream["model"])
+            into = merged.get(key)
+            if into is None:
+                merged[key] = {**stream, "decode_errors": dict(stream.get("decode_errors", {}))}
+                continue
+            for name, value in stream.items():
+                if name not in _STREAM_NOT_SUMMED and isinstance(value, int | float):
+                    into[name] = into.get(name, 0) + value
+            for reason, n in stream.get("decode_errors", {}).items():
+                into["decode_errors"][reason] = into["decode_errors"].get(reason, 0) + n
+            into["first_event_at"] = min(into["first_event_at"], stream["first_event_at"])
+            if stream["last_event_at"] >= into["last_event_at"]:
+                into["last_event_at"] = stream["last_event_at"]
+                into.update({name: stream[name] for name in _STREAM_LATEST_FIELDS})
+    for stream in merged.values():
+        judged = stream.get("aligned_blocks", 0) + stream.get("misaligned_blocks", 0)
+        stream["hash_alignment"] = stream.get("aligned_blocks", 0) / judged if judged else None
+    return [merged[key] for key in sorted(merged, key=lambda k: (k[0], k[1], k[2]))]
+
+
+def merge_unattributed_errors(snapshots: Iterable[dict]) -> dict[str, int]:
+    """Decode errors no pod can be blamed for, summed over ingest processes, by reason."""
+    total: dict[str, int] = {}
+    for snapshot in snapshots:
+        for reason, n in snapshot.get("unattributed_errors", {}).items():
+            total[reason] = total.get(reason, 0) + n
+    return total
+
+
+def owner_pod(holder: str) -> str:
+    """The pod an index holder belongs to: ``pod#dp<r>`` (a data-parallel rank) -> ``pod``."""
+    return holder.partition(DP_RANK_SEPARATOR)[0]
+
+
+def live_blocks_by_pod() -> dict[str, dict[str, int]]:
+    """pod -> tier -> blocks held, from the index, summed over models and data-parallel ranks.
+    Raises ``IndexUnavailable`` when the index cannot be reached."""
+    from scoring.services import get_index  # services imports this module
+
+    out: dict[str, dict[str, int]] = {}
+    for row in get_index().pod_blocks():
+        tiers = out.setdefault(owner_pod(row.pod), {})
+        for tier, n in row.blocks_by_tier.items():
+            tiers[tier] = tiers.get(tier, 0) + n
+    return out
+
+
+@dataclass(frozen=True)
+class PodState:
+    """A registered pod with what is live about it. ``blocks_by_tier`` is ``None`` when the index
+    is unreachable; ``streams`` is ``None`` when the ingest stats are (else a list, empty when no
+    running ingest process has heard from the pod)."""
+
+    pod: Pod
+    blocks_by_tier: dict[str, int] | None
+    streams: list[dict] | None
+
+
+def pod_states(pods: Iterable[Pod] | None = None) -> list[PodState]:
+    """``pods`` (default: the whole registry, by pod id) with live block counts and stream stats."""
+    rows = list(Pod.objects.all() if pods is None else pods)
+    try:
+        blocks: dict[str, dict[str, int]] | None = live_blocks_by_pod()
+    except IndexUnavailable:
+        blocks = None
+    snapshots = ingest_snapshots()
+    streams_by_pod: dict[str, list[dict]] = {}
+    for stream in merge_streams(snapshots or ()):
+        streams_by_pod.setdefault(stream["pod"], []).append(stream)
+    return [
+        PodState(
+            pod=pod,
+            blocks_by_tier=None if blocks is None else blocks.get(pod.pod_id, {}),
+            streams=None if snapshots is None else streams_by_pod.get(pod.pod_id, []),
+        )
+        for pod in rows
+    ]

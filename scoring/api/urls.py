@@ -1,0 +1,28 @@
+"""Routes of the scoring API, the registry API, the OpenAPI schema and docs, and the probes.
+
+Upstream's two endpoints keep their paths (no trailing slash), and so does ``/api/v1/score``.
+"""
+
+from __future__ import annotations
+
+from django.urls import path, re_path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+from scoring.api import registry, views
+
+urlpatterns = [
+    path("score_completions", views.ScoreCompletionsView.as_view(), name="score-completions"),
+    path("score_chat_completions", views.ScoreChatCompletionsView.as_view(), name="score-chat-completions"),
+    path("api/v1/score", views.ScoreView.as_view(), name="score"),
+    path("api/v1/pods/", registry.PodListView.as_view(), name="pods"),
+    path("api/v1/pods/<str:pod_id>/", registry.PodDetailView.as_view(), name="pod"),
+    path("api/v1/models/", registry.ModelConfigListView.as_view(), name="model-configs"),
+    # Model names contain "/" (e.g. "Qwen/Qwen3-0.6B"): the name is everything up to the last "/".
+    re_path(r"^api/v1/models/(?P<name>.+)/$", registry.ModelConfigDetailView.as_view(), name="model-config"),
+    path("api/v1/hash-seed/", registry.HashSeedView.as_view(), name="hash-seed"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
+    path("healthz", views.healthz, name="healthz"),
+    path("readyz", views.readyz, name="readyz"),
+]

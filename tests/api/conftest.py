@@ -1,0 +1,147 @@
+"""The API under test: Django's test client against each index backend, the real Qwen3 tokenizer,
+and blocks cached the way an engine reports them (BlockStored events through the EventApplier).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+from django.contrib.auth.models import User
+from rest_framework.test import APIClient
+
+from ingest.applier import EventApplier
+from ingest.events import BlockStored, EventBatch
+from ingest.stats import IngestStats
+from scoring import services
+from scoring.config import ServiceConfig
+from scoring.index import KVIndex, open_index
+from scoring.keys import block_keys
+from scoring.selectors import invalidate_service_config
+from scoring.tokenization import TokenizerRegistry
+
+MODEL = "Qwen/Qwen3-0.6B"
+SEED = "42"  # the captures' PYTHONHASHSEED
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tokenizers() -> TokenizerRegistry:
+    """One registry for the session, built as the web process builds it (loading Qwen3 takes
+    ~0.4 s: once). Model sources come from the model configs, read when a model first loads."""
+    return services.build_tokenizers()
+
+
+@pytest.fixture(autouse=True)
+def api_process(db, settings, tokenizers: TokenizerRegistry) -> Iterator[None]:
+    """A web process: the session's tokenizers, the capture's seed, open auth, a fresh config."""
+    settings.KVCACHE_HASH_SEED = SEED
+    settings.KVCACHE_API_KEYS = []
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast logins
+    services.set_tokenizers(tokenizers)
+    invalidate_service_config()
+    yield
+    invalidate_service_config()
+    services.set_tokenizers(None)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def index(request: pytest.FixtureRequest, settings) -> Iterator[KVIndex]:
+    """Each backend in turn, installed as the process's index."""
+    if request.param == "memory":
+        idx = open_index("memory://")
+    else:
+        url = request.getfixturevalue("redis_url")
+        settings.REDIS_URL = url  # the ingest stats live beside the index
+        idx = open_index(url)
+    services.set_index(idx)
+    yield idx
+    services.set_index(None)
+    idx.close()
+
+
+@dataclass
+class Engines:
+    """Caches blocks in the index as vLLM engines report them: BlockStored events (engine hashes
+    computed the way a ``sha256_cbor`` engine computes them, unless given) through the applier."""
+
+    index: KVIndex
+    applier: EventApplier
+
+    def cache(
+        self,
+        pod: str,
+        token_ids: Sequence[int],
+        *,
+        block_hashes: Sequence[int] | None = None,
+        lora_name: str | None = None,
+        tier: str = "gpu",
+        model: str = MODEL,
+        rank: int | None = None,
+    ) -> int:
+        """Cache every full block of ``token_ids`` on ``pod``; returns how many blocks."""
+        n = len(token_ids) // BLOCK_SIZE
+        if block_hashes is None:
+            block_hashes = block_keys(token_ids, seed=SEED, block_size=BLOCK_SIZE, lora_name=lora_name)
+        event = BlockStored(
+            block_hashes=tuple(block_hashes[:n]),
+            parent_block_hash=None,
+            token_ids=tuple(token_ids[: n * BLOCK_SIZE]),
+            block_size=BLOCK_SIZE,
+            lora_id=None,
+            tier=tier,
+            lora_name=lora_name,
+            extra_keys=None,
+            group_idx=None,
+        )
+        batch = EventBatch(ts=time.time(), events=(event,), data_parallel_rank=rank)
+        self.applier.apply(pod=pod, model=model, seq=0, batch=batch)
+        return n
+
+    def cache_capture(self, pod: str, capture: dict, *, tier: str = "gpu") -> int:
+        """The real capture's 25 blocks, with the hashes vLLM reported."""
+        return self.cache(
+            pod,
+            capture["token_ids"],
+            block_hashes=capture["block_hashes"],
+            lora_name=capture["lora_name"],
+            tier=tier,
+        )
+
+
+@pytest.fixture
+def engines(index: KVIndex) -> Engines:
+    config = ServiceConfig(seed=SEED, default_block_size=BLOCK_SIZE)
+    return Engines(index, EventApplier(index, config=lambda: config, stats=IngestStats()))
+
+
+@pytest.fixture
+def client() -> APIClient:
+    return APIClient()
+
+
+@pytest.fixture
+def staff(db) -> APIClient:
+    user = User.objects.create(username="ops", is_staff=True)
+    api = APIClient()
+    api.force_authenticate(user)
+    return api
+
+
+@pytest.fixture
+def tokens(tokenizers: TokenizerRegistry) -> Callable[[str], list[int]]:
+    """The Qwen3 token ids of a text, as the service tokenizes prompts."""
+    return lambda text: tokenizers.get(MODEL).encode(text).ids
+
+
+def post(client: APIClient, path: str, body: object, **extra: str):
+    """POST ``body`` as JSON; the response's ``json()`` is the decoded body."""
+    return client.post(path, data=json.dumps(body), content_type="application/json", **extra)

@@ -1,0 +1,190 @@
+"""The registry over HTTP, for staff: pods, model configs and the hash seed, with the same effects
+on the index as the admin's edits, and visible to scoring within a config refresh."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from ingest.publish import publish_snapshot
+from scoring.models import ModelConfig, Pod
+from scoring.selectors import CONFIG_REFRESH_SECONDS
+from tests.api.conftest import MODEL, post
+
+
+def held_by(index, pod: str) -> int:
+    return sum(row.total for row in index.pod_blocks() if row.pod == pod)
+
+
+def scores(client, capture: dict) -> dict:
+    response = post(client, "/api/v1/score", {"model": MODEL, "token_ids": capture["token_ids"]})
+    assert response.status_code == 200
+    return response.json()["scores"]
+
+
+def eventually(condition, *, within: float) -> float:
+    """Seconds until ``condition()`` held; fails after ``within`` seconds."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < within, f"not within {within}s"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+# --- pods ---------------------------------------------------------------------------------------
+
+
+def test_staff_create_read_update_and_delete_a_pod(staff, index):
+    created = staff.post(
+        "/api/v1/pods/", {"pod_id": "pod-a", "model": MODEL, "address": "10.0.0.1:8000"}, format="json"
+    )
+    assert created.status_code == 201
+    assert created.json()["enabled"] is True
+    assert staff.get("/api/v1/pods/pod-a/").json()["address"] == "10.0.0.1:8000"
+
+    patched = staff.patch("/api/v1/pods/pod-a/", {"labels": {"zone": "b"}}, format="json")
+    assert patched.json()["labels"] == {"zone": "b"}
+    replaced = staff.put("/api/v1/pods/pod-a/", {"pod_id": "pod-a", "model": "other/model"}, format="json")
+    assert (replaced.json()["model"], replaced.json()["address"]) == ("other/model", "")
+
+    assert staff.delete("/api/v1/pods/pod-a/").status_code == 204
+    assert not Pod.objects.filter(pod_id="pod-a").exists()
+
+
+def test_a_pod_id_is_unique_and_cannot_be_renamed(staff, index):
+    staff.post("/api/v1/pods/", {"pod_id": "pod-a", "model": MODEL}, format="json")
+
+    duplicate = staff.post("/api/v1/pods/", {"pod_id": "pod-a", "model": MODEL}, format="json")
+    assert duplicate.status_code == 400
+    assert "pod_id" in duplicate.json()["error"]["fields"]
+    renamed = staff.patch("/api/v1/pods/pod-a/", {"pod_id": "pod-b"}, format="json")
+    assert renamed.status_code == 400
+    assert renamed.json()["error"]["fields"] == {"pod_id": ["cannot be changed"]}
+
+
+def test_the_pod_list_shows_live_blocks_by_tier_and_ingest_streams(staff, engines, base_capture, redis_url):
+    Pod.objects.create(pod_id="pod-a", model=MODEL)
+    Pod.objects.create(pod_id="pod-quiet", model=MODEL)
+    engines.cache_capture("pod-a", base_capture)
+    engines.cache("pod-a", base_capture["token_ids"][:64], tier="cpu", rank=1)  # a data-parallel rank
+    stream = {**engines.applier.stats.stream("pod-a", 0, MODEL).as_dict()}
+    publish_snapshot(
+        redis.Redis.from_url(redis_url),
+        {"at": time.time(), "streams": [stream], "unattributed_errors": {}, "queue_full": {}},
+        instance="ingest-1",
+    )
+
+    listed = {row["pod_id"]: row for row in staff.get("/api/v1/pods/").json()}
+    assert listed["pod-a"]["blocks_by_tier"] == {"gpu": 25, "cpu": 4}
+    assert listed["pod-quiet"]["blocks_by_tier"] == {}
+    if engines.index.__class__.__name__ == "RedisIndex":  # the stats live beside a Redis index
+        assert [s["blocks_stored"] for s in listed["pod-a"]["streams"]] == [25]
+        assert listed["pod-quiet"]["streams"] == []
+
+
+def test_disabling_a_pod_through_the_api_removes_its_blocks_and_its_scores(
+    staff, client, engines, base_capture
+):
+    Pod.objects.create(pod_id="pod-b", model=MODEL)
+    engines.cache_capture("pod-a", base_capture)
+    engines.cache_capture("pod-b", base_capture)
+    assert scores(client, base_capture) == {"pod-a": 25.0, "pod-b": 25.0}
+
+    response = staff.patch("/api/v1/pods/pod-b/", {"enabled": False}, format="json")
+    assert response.json()["blocks_by_tier"] == {}
+    assert held_by(engines.index, "pod-b") == 0
+    assert eventually(lambda: scores(client, base_capture) == {"pod-a": 25.0}, within=5) < 5
+
+
+def test_deleting_a_pod_through_the_api_removes_its_blocks(staff, engines, base_capture):
+    Pod.objects.create(pod_id="pod-a", model=MODEL)
+    engines.cache_capture("pod-a", base_capture)
+
+    assert staff.delete("/api/v1/pods/pod-a/").status_code == 204
+    assert held_by(engines.index, "pod-a") == 0
+
+
+# --- model configs ---------------------------------------------------------------------------------
+
+
+def test_staff_create_read_update_and_delete_a_model_config(staff, index):
+    created = staff.post("/api/v1/models/", {"name": MODEL, "block_size": 16}, format="json")
+    assert created.status_code == 201
+    assert created.json()["tier_weights"] == {"gpu": 1.0, "cpu": 0.8}
+    assert staff.get("/api/v1/models/").json()[0]["name"] == MODEL
+    assert staff.get(f"/api/v1/models/{MODEL}/").json()["block_size"] == 16
+
+    patched = staff.patch(f"/api/v1/models/{MODEL}/", {"lora_adapters": ["Alice"]}, format="json")
+    assert patched.json()["lora_adapters"] == ["Alice"]
+    assert staff.delete(f"/api/v1/models/{MODEL}/").status_code == 204
+    assert not ModelConfig.objects.exists()
+
+
+def test_a_bad_model_config_is_a_400_naming_the_field(staff, index):
+    response = staff.post("/api/v1/models/", {"name": MODEL, "tier_weights": {"gpu": -1}}, format="json")
+    assert response.status_code == 400
+    assert set(response.json()["error"]["fields"]) == {"tier_weights"}
+    response = staff.post("/api/v1/models/", {"name": MODEL, "block_size": 0}, format="json")
+    assert set(response.json()["error"]["fields"]) == {"block_size"}
+
+
+def test_tier_weights_changed_through_the_api_score_within_5_seconds(staff, client, engines, base_capture):
+    engines.cache_capture("pod-cpu", base_capture, tier="cpu")
+    assert scores(client, base_capture) == {"pod-cpu": pytest.approx(25 * 0.8)}
+
+    staff.post("/api/v1/models/", {"name": MODEL, "tier_weights": {"cpu": 0.5}}, format="json")
+    assert eventually(lambda: scores(client, base_capture) == {"pod-cpu": 12.5}, within=5) < 5
+
+
+@pytest.mark.parametrize("index", ["memory"], indirect=True)  # waits for a refresh: one backend is enough
+def test_a_change_made_by_another_process_is_picked_up_by_the_config_refresh(client, engines, base_capture):
+    engines.cache_capture("pod-a", base_capture)
+    assert scores(client, base_capture) == {"pod-a": 25.0}
+
+    # Another process (an admin on another replica) disables the pod: nothing tells this one.
+    Pod.objects.create(pod_id="pod-a", model=MODEL, enabled=False)
+    took = eventually(lambda: scores(client, base_capture) == {}, within=5)
+    assert took <= CONFIG_REFRESH_SECONDS + 0.5
+
+
+def test_a_new_block_size_clears_the_models_blocks(staff, engines, base_capture):
+    engines.cache_capture("pod-a", base_capture)
+
+    staff.post("/api/v1/models/", {"name": MODEL, "block_size": 32}, format="json")
+    assert held_by(engines.index, "pod-a") == 0
+
+
+# --- hash seed ---------------------------------------------------------------------------------
+
+
+def test_changing_the_hash_seed_clears_the_index_and_rekeys_prompts(staff, client, engines, base_capture):
+    engines.cache_capture("pod-a", base_capture)
+    assert staff.get("/api/v1/hash-seed/").json()["value"] == "42"
+
+    response = staff.put("/api/v1/hash-seed/", {"value": "7"}, format="json")
+    assert response.status_code == 200
+    assert response.json()["value"] == "7"
+    assert held_by(engines.index, "pod-a") == 0
+
+    # Blocks an engine hashes with the old seed no longer match: prompts are keyed with "7".
+    engines.cache_capture("pod-a", base_capture)
+    assert eventually(lambda: scores(client, base_capture) == {}, within=5) < 5
+
+
+def test_setting_the_same_hash_seed_keeps_the_index(staff, engines, base_capture):
+    engines.cache_capture("pod-a", base_capture)
+
+    assert staff.patch("/api/v1/hash-seed/", {"value": "42"}, format="json").status_code == 200
+    assert held_by(engines.index, "pod-a") == 25
+
+
+def test_a_new_tokenizer_source_takes_effect_within_5_seconds(staff, client, index, tmp_path):
+    body = {"model": "qwen-small", "prompt": "A prompt long enough to make a block or two of tokens."}
+    staff.post("/api/v1/models/", {"name": "qwen-small", "tokenizer_source": MODEL}, format="json")
+    assert post(client, "/score_completions", body).status_code == 200
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    staff.patch("/api/v1/models/qwen-small/", {"tokenizer_source": str(tmp_path)}, format="json")
+    assert eventually(lambda: post(client, "/score_completions", body).status_code == 422, within=5) < 5
