@@ -1,5 +1,11 @@
 # The service image: web (daphne) by default; run `python manage.py ingest` from the same image
 # for the event consumer. Needs REDIS_URL (and DATABASE_URL for a shared registry) at run time.
+# Front-end libraries from the npm registry (package-lock.json), as `make node-deps` does.
+FROM node:20-bookworm-slim AS frontend
+WORKDIR /app
+COPY package.json package-lock.json ./
+RUN npm ci --no-audit --no-fund
+
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -12,6 +18,7 @@ COPY requirements.txt .
 RUN pip install --no-cache-dir -r requirements.txt
 
 COPY . .
+COPY --from=frontend /app/node_modules ./node_modules
 RUN mkdir -p "$KVCACHE_VAR_DIR" \
     && SECRET_KEY=build-only python manage.py collectstatic --noinput -v 0 \
     && useradd --system --home /app kvcache \

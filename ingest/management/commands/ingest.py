@@ -14,6 +14,8 @@ import threading
 import time
 
 import redis
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from prometheus_client import CollectorRegistry, start_http_server
@@ -125,7 +127,8 @@ def wait_for_index(index, *, timeout: float) -> None:
 
 
 class Housekeeping:
-    """Once a second: register pods seen since last time and publish the counters."""
+    """Once a second: register pods seen since last time and publish the counters (into Redis,
+    and to the channel-layer group ``KVCACHE_STATS_GROUP`` for the dashboards watching live)."""
 
     def __init__(self, stats: IngestStats) -> None:
         self.stats = stats
@@ -134,17 +137,26 @@ class Housekeeping:
         self._redis = (
             redis.Redis.from_url(settings.REDIS_URL) if settings.KVCACHE_INDEX_BACKEND == "redis" else None
         )
+        self._channel_layer = get_channel_layer()
 
     def run_once(self) -> None:
         try:
             self._register_pods()
         except Exception:
             log.exception("could not update the pod registry")
+        snapshot = {**self.stats.snapshot(), "instance": self._instance}
         if self._redis is not None:
             try:
-                publish_snapshot(self._redis, self.stats.snapshot(), instance=self._instance)
+                publish_snapshot(self._redis, snapshot, instance=self._instance)
             except redis.RedisError as e:
                 log.warning("could not publish ingest stats: %s", e)
+        if self._channel_layer is not None:
+            try:
+                async_to_sync(self._channel_layer.group_send)(
+                    settings.KVCACHE_STATS_GROUP, {"type": "ingest.snapshot", "snapshot": snapshot}
+                )
+            except Exception as e:  # the layer's backend errors (Redis, OS, its own) are not one type
+                log.warning("could not send ingest stats to the channel layer: %s", e)
 
     def _register_pods(self) -> None:
         seen = {}

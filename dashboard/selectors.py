@@ -1,0 +1,87 @@
+"""Reads the dashboard makes of the rest of the system: the registry, the index, the ingest
+snapshots shared through Redis, and the scoring API's Prometheus counters. Each returns plain
+values (``dashboard.fleet`` types); none writes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+from django.conf import settings
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from dashboard.fleet import RegistryPod, ScoreCounters
+from ingest.publish import read_snapshots
+from scoring.index.base import IndexUnavailable, PodBlocks
+from scoring.models import Pod
+from scoring.services import get_index
+
+log = logging.getLogger(__name__)
+
+SCORE_METRIC_PREFIXES = ("kvcache_score_", "kvcache_scoring_")
+"""Where the scoring API's counters are looked for: ``<prefix>...request..._total`` (requests)
+and ``<prefix>...hit..._total`` (requests that found a cached prefix), summed over labels."""
+
+
+def registry_pods() -> list[RegistryPod]:
+    """Every registered pod."""
+    return [
+        RegistryPod(
+            pod=p.pod_id,
+            model=p.model,
+            enabled=p.enabled,
+            last_seen=p.last_seen.timestamp() if p.last_seen else None,
+        )
+        for p in Pod.objects.only("pod_id", "model", "enabled", "last_seen")
+    ]
+
+
+def index_blocks() -> list[PodBlocks] | None:
+    """Live block counts per (model, holder) from this process's index; None when the index
+    cannot be reached (the dashboard says so instead of showing zeros)."""
+    try:
+        return get_index().pod_blocks()
+    except IndexUnavailable:
+        return None
+
+
+def scoring_counters(registry: CollectorRegistry = REGISTRY) -> ScoreCounters | None:
+    """Cumulative scoring requests and hits of this process, read from ``registry`` (see
+    ``SCORE_METRIC_PREFIXES``); None while there is no requests counter (the scoring API has not
+    registered it, or this process does not serve it), ``hits`` None while there is no hits one."""
+    requests = hits = None
+    for family in registry.collect():
+        if not family.name.startswith(SCORE_METRIC_PREFIXES):
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if "hit" in sample.name:
+                hits = (hits or 0.0) + sample.value
+            elif "request" in sample.name:
+                requests = (requests or 0.0) + sample.value
+    if requests is None:
+        return None
+    return ScoreCounters(requests=requests, hits=hits)
+
+
+_redis_clients: dict[str, redis.Redis] = {}
+_redis_lock = threading.Lock()
+
+
+def shared_snapshots() -> list[dict]:
+    """The fresh ingest snapshots every ingest process stores in Redis (``ingest.publish``);
+    empty when the index is not shared through Redis or Redis cannot be reached."""
+    if settings.KVCACHE_INDEX_BACKEND != "redis":
+        return []
+    url = settings.REDIS_URL
+    with _redis_lock:
+        client = _redis_clients.get(url)
+        if client is None:
+            client = _redis_clients[url] = redis.Redis.from_url(url, socket_timeout=2.0)
+    try:
+        return read_snapshots(client)
+    except redis.RedisError as e:
+        log.warning("could not read the ingest snapshots from Redis: %s", e)
+        return []

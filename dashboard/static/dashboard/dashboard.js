@@ -1,0 +1,508 @@
+/* The dashboard pages, in plain JS (no build step).
+ *
+ * Both pages open one websocket that reconnects on its own (the server restarting, the network
+ * going away) and get a "history" message (chart columns so far), then a "frame" every push
+ * interval. The fleet page keeps one table row per pod and updates its cells in place, so 200
+ * pods cost a few thousand text updates a second at most; sorting and filtering only reorder or
+ * hide existing rows. Charts are uPlot (node_modules/uplot, served by the project itself).
+ */
+(function () {
+  "use strict";
+
+  const body = document.body;
+  const PUSH_SECONDS = parseFloat(body.dataset.pushSeconds) || 1;
+  const HISTORY_SECONDS = parseFloat(body.dataset.historySeconds) || 600;
+  const FLEET_URL = body.dataset.fleetUrl || "/dashboard/";
+  const CHART_PODS = 8;
+  // Colour-blind-friendly, each at least 3:1 against white (lines, not text).
+  const PALETTE = ["#0072b2", "#d55e00", "#009e73", "#cc79a7", "#8a6d00", "#56b4e9", "#000000", "#e69f00"];
+
+  // ---- formatting -------------------------------------------------------------------------
+
+  const intFormat = new Intl.NumberFormat("en-US");
+  const rateFormat = new Intl.NumberFormat("en-US", { minimumFractionDigits: 1, maximumFractionDigits: 1 });
+  const DASH = "—";
+
+  const fmt = {
+    int: (n) => (n == null ? DASH : intFormat.format(n)),
+    rate: (n) => (n == null ? DASH : rateFormat.format(n)),
+    percent: (x) => (x == null ? DASH : (x * 100).toFixed(1) + " %"),
+    age(s) {
+      if (s == null) return "never";
+      if (s < 1) return "just now";
+      if (s < 90) return Math.round(s) + " s ago";
+      if (s < 5400) return Math.round(s / 60) + " min ago";
+      return (s / 3600).toFixed(1) + " h ago";
+    },
+    tiers(byTier) {
+      const parts = Object.entries(byTier || {}).map(([tier, n]) => tier + " " + intFormat.format(n));
+      return parts.length ? parts.join(" · ") : DASH;
+    },
+    time: (t) => new Date(t * 1000).toLocaleTimeString("en-GB"),
+    // "n/a": this web process has no such scoring counter; a dash: no request in the interval.
+    scoreRate: (totals) => (totals.scoring_available ? fmt.rate(totals.score_requests_per_s) : "n/a"),
+    hitRate: (totals) => (totals.hit_rate_available ? fmt.percent(totals.hit_rate) : "n/a"),
+  };
+
+  function setText(el, text) {
+    if (el.textContent !== text) el.textContent = text;
+  }
+
+  // ---- the live connection ----------------------------------------------------------------
+
+  function connect(path, onMessage) {
+    const status = document.getElementById("connection");
+    let delay = 500;
+    let socket = null;
+    let watchdog = null;
+
+    function show(state, text) {
+      status.dataset.state = state;
+      setText(status, text);
+    }
+    // A connection that went quiet without closing (a stuck server, a dead network path) is
+    // closed here so that the retry below kicks in.
+    function arm() {
+      clearTimeout(watchdog);
+      watchdog = setTimeout(() => socket.close(), Math.max(5000, PUSH_SECONDS * 5000));
+    }
+    function open() {
+      const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+      socket = new WebSocket(scheme + location.host + path);
+      socket.onopen = () => {
+        delay = 500;
+        show("live", "Live");
+        arm();
+      };
+      socket.onmessage = (event) => {
+        arm();
+        onMessage(JSON.parse(event.data));
+      };
+      socket.onclose = () => {
+        clearTimeout(watchdog);
+        show("down", "Disconnected, retrying in " + (delay / 1000).toFixed(1) + " s");
+        setTimeout(open, delay);
+        delay = Math.min(delay * 2, 5000);
+      };
+    }
+    open();
+  }
+
+  // ---- charts -----------------------------------------------------------------------------
+
+  /* A uPlot time chart that follows its container's width; rebuilt when its series change. */
+  class TimeChart {
+    constructor(el, { axes, scales }) {
+      this.el = el;
+      // Clock times only: uPlot's default adds dates that collide at this width.
+      this.axes = [{ space: 70, values: (u, ticks) => ticks.map(fmt.time) }, ...axes.slice(1)];
+      this.scales = scales;
+      this.plot = null;
+      this.labels = null;
+      new ResizeObserver(() => {
+        if (this.plot) this.plot.setSize(this.size());
+      }).observe(el);
+    }
+    size() {
+      return { width: Math.max(this.el.clientWidth, 300), height: 240 };
+    }
+    /* series: [{label, scale, values, dash?}], t: unix seconds. */
+    draw(t, series) {
+      // Without the charting library (node_modules not installed) the numbers still work.
+      if (typeof uPlot === "undefined") return;
+      const data = [t, ...series.map((s) => s.values)];
+      const labels = series.map((s) => s.label).join("\n");
+      if (this.plot && labels === this.labels) {
+        this.plot.setData(data);
+        return;
+      }
+      if (this.plot) this.plot.destroy();
+      this.labels = labels;
+      this.plot = new uPlot(
+        {
+          ...this.size(),
+          scales: { x: { time: true }, ...this.scales },
+          axes: this.axes,
+          series: [
+            { label: "time", value: (u, v) => (v == null ? DASH : fmt.time(v)) },
+            ...series.map((s, i) => ({
+              label: s.label,
+              scale: s.scale,
+              stroke: PALETTE[i % PALETTE.length],
+              width: 2,
+              dash: s.dash,
+              value: (u, v) => (v == null ? DASH : s.format ? s.format(v) : fmt.rate(v)),
+            })),
+          ],
+        },
+        data,
+        this.el,
+      );
+    }
+  }
+
+  /* Columns of a time series, trimmed to the history window. Columns can appear at any time
+     (a new pod): their past is filled with nulls. A gap in time (nobody was sampling) gets a
+     null row, so that lines break there instead of bridging it. */
+  class Columns {
+    constructor() {
+      this.t = [];
+      this.cols = new Map();
+    }
+    get(name) {
+      if (!this.cols.has(name)) this.cols.set(name, new Array(this.t.length).fill(null));
+      return this.cols.get(name);
+    }
+    reset(t, columns) {
+      this.t = [];
+      this.cols = new Map();
+      t.forEach((at, i) => this.push(at, Object.fromEntries(Object.entries(columns).map(([n, v]) => [n, v[i]]))));
+    }
+    push(t, values) {
+      const last = this.t[this.t.length - 1];
+      if (last != null && t - last > 3 * PUSH_SECONDS) this.append(last + PUSH_SECONDS, {});
+      this.append(t, values);
+      this.trim(t);
+    }
+    append(t, values) {
+      for (const name of Object.keys(values)) this.get(name);
+      this.t.push(t);
+      for (const [name, col] of this.cols) col.push(values[name] ?? null);
+    }
+    trim(now) {
+      let drop = 0;
+      while (drop < this.t.length && this.t[drop] < now - HISTORY_SECONDS) drop++;
+      if (!drop) return;
+      this.t.splice(0, drop);
+      for (const [name, col] of this.cols) {
+        col.splice(0, drop);
+        if (col.every((v) => v == null)) this.cols.delete(name);
+      }
+    }
+  }
+
+  // ---- the fleet page ---------------------------------------------------------------------
+
+  const STATUS_RANK = { live: 0, stale: 1, disabled: 2 };
+
+  const COLUMNS = [
+    { key: "pod", text: (r) => r.pod },
+    { key: "model", text: (r) => r.model || DASH },
+    { key: "blocks", num: true, text: (r) => fmt.int(r.blocks) },
+    { key: "blocks_by_tier", text: (r) => fmt.tiers(r.blocks_by_tier), sortBy: (r) => r.blocks },
+    { key: "stored_per_s", num: true, text: (r) => fmt.rate(r.stored_per_s) },
+    { key: "removed_per_s", num: true, text: (r) => fmt.rate(r.removed_per_s) },
+    { key: "last_event_age", num: true, text: (r) => fmt.age(r.last_event_age) },
+    { key: "seq_gaps", num: true, text: (r) => fmt.int(r.seq_gaps), bad: (r) => r.seq_gaps > 0 },
+    { key: "decode_errors", num: true, text: (r) => fmt.int(r.decode_errors), bad: (r) => r.decode_errors > 0 },
+    {
+      key: "hash_alignment",
+      num: true,
+      text: (r) => fmt.percent(r.hash_alignment),
+      bad: (r) => r.hash_alignment != null && r.hash_alignment < 1,
+    },
+    { key: "status", text: (r) => r.status, sortBy: (r) => STATUS_RANK[r.status] },
+  ];
+
+  function podUrl(pod) {
+    return FLEET_URL + "pods/" + encodeURIComponent(pod) + "/";
+  }
+
+  function fleetPage() {
+    const table = document.getElementById("pods");
+    const tbody = table.tBodies[0];
+    const filter = document.getElementById("pod-filter");
+    const shown = document.getElementById("pods-shown");
+    const empty = document.getElementById("pods-empty");
+    const indexWarning = document.getElementById("index-warning");
+    const totalsEl = Object.fromEntries(
+      [...document.querySelectorAll("[data-total]")].map((el) => [el.dataset.total, el]),
+    );
+    const rows = new Map(); // pod -> {tr, cells, data}
+    let order = []; // pods in DOM order
+    let sort = { key: "pod", dir: 1 };
+
+    const blocksChart = new TimeChart(document.getElementById("chart-blocks"), {
+      scales: { blocks: { auto: true, range: (u, min, max) => [0, Math.max(max, 1)] } },
+      axes: [{}, { scale: "blocks", label: "blocks" }],
+    });
+    const trafficChart = new TimeChart(document.getElementById("chart-traffic"), {
+      scales: { rate: { auto: true, range: (u, min, max) => [0, Math.max(max, 1)] }, pct: { range: [0, 100] } },
+      axes: [{}, { scale: "rate", label: "per second" }, { scale: "pct", label: "hit rate %", side: 1, grid: { show: false } }],
+    });
+    const series = new Columns(); // fleet rates, and "pod:<id>" block counts of every pod
+    let scoringAvailable = false;
+    let hitRateAvailable = false;
+    let latestRows = [];
+
+    // Sorting: a button in each column heading; aria-sort tells assistive technology.
+    for (const th of table.tHead.rows[0].cells) {
+      th.querySelector("button").addEventListener("click", () => {
+        const key = th.dataset.key;
+        sort = { key, dir: sort.key === key ? -sort.dir : 1 };
+        for (const other of table.tHead.rows[0].cells) {
+          if (other === th) other.setAttribute("aria-sort", sort.dir > 0 ? "ascending" : "descending");
+          else other.removeAttribute("aria-sort");
+        }
+        arrange();
+      });
+    }
+    filter.addEventListener("input", arrange);
+
+    function makeRow(pod) {
+      const tr = document.createElement("tr");
+      tr.dataset.pod = pod;
+      const cells = {};
+      for (const col of COLUMNS) {
+        const cell = document.createElement(col.key === "pod" ? "th" : "td");
+        cell.dataset.col = col.key;
+        if (col.key === "pod") {
+          cell.scope = "row";
+          const a = document.createElement("a");
+          a.href = podUrl(pod);
+          a.className = "mono";
+          a.textContent = pod;
+          cell.append(a);
+        } else if (col.key === "status") {
+          cell.append(document.createElement("span"));
+        }
+        if (col.num) cell.className = "num";
+        tr.append(cell);
+        cells[col.key] = cell;
+      }
+      return { tr, cells, data: null };
+    }
+
+    function fillRow(entry, r) {
+      entry.data = r;
+      for (const col of COLUMNS) {
+        const cell = entry.cells[col.key];
+        if (col.key === "pod") continue;
+        if (col.key === "status") {
+          const badge = cell.firstChild;
+          setText(badge, r.status);
+          badge.className = "status status-" + r.status;
+          continue;
+        }
+        setText(cell, col.text(r));
+        if (col.bad) cell.classList.toggle("bad", col.bad(r));
+      }
+    }
+
+    function sortValue(col, r) {
+      const v = col.sortBy ? col.sortBy(r) : r[col.key];
+      return typeof v === "string" ? v.toLowerCase() : v;
+    }
+
+    function arrange() {
+      const col = COLUMNS.find((c) => c.key === sort.key);
+      const entries = [...rows.values()];
+      entries.sort((a, b) => {
+        const x = sortValue(col, a.data);
+        const y = sortValue(col, b.data);
+        // Unknown values (no rate yet, never seen) go last whichever way the column sorts.
+        if (x == null && y != null) return 1;
+        if (y == null && x != null) return -1;
+        if (x !== y && x != null) return (x < y ? -1 : 1) * sort.dir;
+        return a.data.pod < b.data.pod ? -1 : 1;
+      });
+      const wanted = entries.map((e) => e.data.pod);
+      if (wanted.join("\n") !== order.join("\n")) {
+        tbody.append(...entries.map((e) => e.tr));
+        order = wanted;
+      }
+      const needle = filter.value.trim().toLowerCase();
+      let visible = 0;
+      for (const e of entries) {
+        const d = e.data;
+        const match = !needle || [d.pod, d.model, d.status].some((s) => s.toLowerCase().includes(needle));
+        e.tr.hidden = !match;
+        visible += match;
+      }
+      setText(shown, needle ? `Showing ${visible} of ${entries.length} pods` : `${entries.length} pods`);
+      empty.hidden = entries.length > 0;
+    }
+
+    function showTotals(t) {
+      setText(totalsEl.pods, fmt.int(t.pods));
+      setText(totalsEl.statuses, `${t.live} / ${t.stale} / ${t.disabled}`);
+      setText(totalsEl.blocks, fmt.int(t.blocks) + (t.blocks ? ` (${fmt.tiers(t.blocks_by_tier)})` : ""));
+      setText(totalsEl.stored_per_s, fmt.rate(t.stored_per_s));
+      setText(totalsEl.removed_per_s, fmt.rate(t.removed_per_s));
+      setText(totalsEl.events_per_s, fmt.rate(t.events_per_s));
+      setText(totalsEl.seq_gaps, fmt.int(t.seq_gaps));
+      setText(totalsEl.decode_errors, fmt.int(t.decode_errors));
+      setText(totalsEl.score_requests_per_s, fmt.scoreRate(t));
+      setText(totalsEl.hit_rate, fmt.hitRate(t));
+      setText(totalsEl.ingest_processes, fmt.int(t.ingest_processes));
+      indexWarning.hidden = t.index_available !== false;
+    }
+
+    function drawCharts() {
+      const top = [...latestRows]
+        .sort((a, b) => b.blocks - a.blocks || (a.pod < b.pod ? -1 : 1))
+        .slice(0, CHART_PODS)
+        .map((r) => r.pod)
+        .sort();
+      const t = series.t;
+      blocksChart.draw(
+        t,
+        top.map((pod) => ({ label: pod, scale: "blocks", values: series.get("pod:" + pod), format: fmt.int })),
+      );
+      const requestsLabel = scoringAvailable ? "scoring requests/s" : "scoring requests/s (n/a)";
+      trafficChart.draw(t, [
+        { label: "events/s", scale: "rate", values: series.get("events_per_s") },
+        { label: requestsLabel, scale: "rate", values: series.get("score_requests_per_s") },
+        {
+          label: hitRateAvailable ? "hit rate %" : "hit rate % (n/a)",
+          scale: "pct",
+          values: series.get("hit_rate").map((x) => (x == null ? null : x * 100)),
+          dash: [6, 4],
+          format: (v) => v.toFixed(1) + " %",
+        },
+      ]);
+    }
+
+    function onHistory(msg) {
+      const columns = {
+        events_per_s: msg.events_per_s,
+        score_requests_per_s: msg.score_requests_per_s,
+        hit_rate: msg.hit_rate,
+      };
+      for (const [pod, values] of Object.entries(msg.pods)) columns["pod:" + pod] = values;
+      series.reset(msg.t, columns);
+    }
+
+    function onFrame(msg) {
+      latestRows = msg.pods;
+      scoringAvailable = msg.totals.scoring_available;
+      hitRateAvailable = msg.totals.hit_rate_available;
+      const seen = new Set();
+      for (const r of msg.pods) {
+        seen.add(r.pod);
+        let entry = rows.get(r.pod);
+        if (!entry) rows.set(r.pod, (entry = makeRow(r.pod)));
+        fillRow(entry, r);
+      }
+      for (const [pod, entry] of rows) {
+        if (!seen.has(pod)) {
+          entry.tr.remove();
+          rows.delete(pod);
+        }
+      }
+      arrange();
+      showTotals(msg.totals);
+
+      // Every pod gets a column, so that a pod entering the chart's top brings its past along.
+      const { events_per_s, score_requests_per_s, hit_rate } = msg.totals;
+      const point = { events_per_s, score_requests_per_s, hit_rate };
+      for (const r of msg.pods) point["pod:" + r.pod] = r.blocks;
+      series.push(msg.at, point);
+      drawCharts();
+    }
+
+    connect("/ws/dashboard/", (msg) => (msg.type === "history" ? onHistory(msg) : onFrame(msg)));
+  }
+
+  // ---- the pod page -----------------------------------------------------------------------
+
+  function podPage() {
+    const pod = document.getElementById("pod-heading").dataset.pod;
+    const fields = Object.fromEntries(
+      [...document.querySelectorAll("[data-field]")].map((el) => [el.dataset.field, el]),
+    );
+    const unknown = document.getElementById("pod-unknown");
+    const logBody = document.getElementById("pod-log").tBodies[0];
+    const logEmpty = document.getElementById("log-empty");
+    const history = new Columns();
+    const chart = new TimeChart(document.getElementById("chart-pod"), {
+      scales: {
+        blocks: { auto: true, range: (u, min, max) => [0, Math.max(max, 1)] },
+        rate: { auto: true, range: (u, min, max) => [0, Math.max(max, 1)] },
+      },
+      axes: [{}, { scale: "blocks", label: "blocks" }, { scale: "rate", label: "per second", side: 1, grid: { show: false } }],
+    });
+    let logKey = "";
+
+    function draw() {
+      const c = (name) => history.get(name);
+      chart.draw(history.t, [
+        { label: "blocks", scale: "blocks", values: c("blocks"), format: fmt.int },
+        { label: "stored/s", scale: "rate", values: c("stored_per_s") },
+        { label: "removed/s", scale: "rate", values: c("removed_per_s") },
+        { label: "events/s", scale: "rate", values: c("events_per_s"), dash: [6, 4] },
+      ]);
+    }
+
+    function showLog(entries) {
+      const key = entries.length + ":" + (entries[0] ? entries[0].at : "");
+      if (key === logKey) return;
+      logKey = key;
+      const errors = (e) => Object.entries(e.decode_errors).map(([k, n]) => `${k} ${n}`).join(", ") || DASH;
+      const cells = [
+        (e) => fmt.time(e.at),
+        (e) => fmt.int(e.batches),
+        (e) => fmt.int(e.events),
+        (e) => fmt.int(e.blocks_stored),
+        (e) => fmt.int(e.blocks_removed),
+        (e) => fmt.int(e.clears),
+        (e) => (e.seq_gaps ? `${e.seq_gaps} (${e.missed_batches})` : "0"),
+        (e) => fmt.int(e.restarts),
+        (e) => fmt.int(e.orphaned_blocks),
+        errors,
+        (e) => (e.last_seq == null ? DASH : String(e.last_seq)),
+      ];
+      const trs = entries.map((e) => {
+        const tr = document.createElement("tr");
+        cells.forEach((cell, i) => {
+          const td = document.createElement("td");
+          if (i > 0 && i !== 9) td.className = "num";
+          td.textContent = cell(e);
+          if ((i === 6 && e.seq_gaps) || (i === 9 && Object.keys(e.decode_errors).length)) td.classList.add("bad");
+          tr.append(td);
+        });
+        return tr;
+      });
+      logBody.replaceChildren(...trs);
+      logEmpty.hidden = entries.length > 0;
+    }
+
+    function onFrame(msg) {
+      const r = msg.pod;
+      unknown.hidden = r != null;
+      if (r) {
+        setText(fields.status, r.status);
+        fields.status.className = "status status-" + r.status;
+        setText(fields.model, r.model || DASH);
+        setText(fields.blocks, fmt.int(r.blocks));
+        setText(fields.blocks_by_tier, fmt.tiers(r.blocks_by_tier));
+        setText(fields.stored_per_s, fmt.rate(r.stored_per_s));
+        setText(fields.removed_per_s, fmt.rate(r.removed_per_s));
+        setText(fields.events_per_s, fmt.rate(r.events_per_s));
+        setText(fields.last_event_age, fmt.age(r.last_event_age));
+        setText(fields.seq_gaps, `${fmt.int(r.seq_gaps)} (${fmt.int(r.missed_batches)})`);
+        setText(fields.restarts, fmt.int(r.restarts));
+        setText(fields.decode_errors, fmt.int(r.decode_errors));
+        setText(fields.hash_alignment, fmt.percent(r.hash_alignment));
+        setText(fields.ranks, fmt.int(r.ranks));
+      }
+      const { blocks, stored_per_s, removed_per_s, events_per_s } = r || {};
+      history.push(msg.at, { blocks, stored_per_s, removed_per_s, events_per_s });
+      showLog(msg.log);
+      draw();
+    }
+
+    function onHistory(msg) {
+      const { blocks, stored_per_s, removed_per_s, events_per_s } = msg;
+      history.reset(msg.t, { blocks, stored_per_s, removed_per_s, events_per_s });
+      showLog(msg.log);
+    }
+
+    connect("/ws/dashboard/pods/" + encodeURIComponent(pod) + "/", (msg) =>
+      msg.type === "history" ? onHistory(msg) : onFrame(msg),
+    );
+  }
+
+  if (body.dataset.page === "fleet") fleetPage();
+  else if (body.dataset.page === "pod") podPage();
+})();

@@ -1,0 +1,195 @@
+"""End to end in a real browser: a real daphne and a real ``manage.py ingest`` on the test Redis,
+Debian's headless Chromium driven by Playwright, KV events published over ZeroMQ. What a person
+would see: log in through the admin login, watch a pod's block count change on the fleet page
+within 3 seconds, keep watching across a web server restart, open the pod's page."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from playwright.sync_api import expect, sync_playwright
+
+from ingest.events import BlockRemoved, BlockStored, encode_batch, encode_message
+from tests.dashboard.conftest import ROOT, Process
+from tests.ingest.conftest import MODEL
+from tests.servers import free_port
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+# What this machine's Chromium needs headless: no sandbox as root, and no background traffic to
+# hosts a closed network refuses.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PASSWORD = "e2e-password-not-secret"
+
+
+def wait_for_http(url: str, *, process: Process, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            if process.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{url} did not come up; see {process.log}") from None
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def stack(tmp_path, redis_url) -> Iterator[dict]:
+    """Web (daphne) and ingest processes sharing the test Redis (index and channel layer)."""
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: run `make system-deps`")
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "KVCACHE_INDEX_BACKEND": "redis",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "KVCACHE_VAR_DIR": str(tmp_path),
+        "KVCACHE_HASH_SEED": "42",
+        "DJANGO_SETTINGS_MODULE": "kvsite.settings",
+        "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
+    }
+    manage = [sys.executable, "manage.py"]
+    subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
+    subprocess.run(
+        [*manage, "createsuperuser", "--noinput", "--username", "ops", "--email", "ops@example.com"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    zmq_port, web_port = free_port(), free_port()
+    ingest = Process(
+        [*manage, "ingest", "--bind", f"tcp://127.0.0.1:{zmq_port}", "--workers", "2"],
+        env,
+        tmp_path / "ingest.log",
+    )
+    daphne = str(Path(sys.executable).with_name("daphne"))
+    web = Process(
+        [daphne, "-b", "127.0.0.1", "-p", str(web_port), "kvsite.asgi:application"],
+        env,
+        tmp_path / "web.log",
+    )
+    ingest.start()
+    web.start()
+    base = f"http://127.0.0.1:{web_port}"
+    try:
+        wait_for_http(base + "/admin/login/", process=web)
+        yield {"base": base, "endpoint": f"tcp://127.0.0.1:{zmq_port}", "web": web, "ingest": ingest}
+    finally:
+        web.stop()
+        ingest.stop()
+
+
+class Engine:
+    """A vLLM engine's KV-event publisher for one pod."""
+
+    def __init__(self, endpoint: str, pod: str) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PUB)
+        self.socket.connect(endpoint)
+        self.pod = pod
+        self.seq = 0
+
+    def send(self, events: list) -> None:
+        payload = encode_batch(events, ts=time.time())
+        self.socket.send_multipart(encode_message(self.pod, MODEL, self.seq, payload))
+        self.seq += 1
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.context.term()
+
+
+def stored(capture: dict, n: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=tuple(capture["block_hashes"][:n]),
+        parent_block_hash=None,
+        token_ids=tuple(capture["token_ids"][: 16 * n]),
+        block_size=16,
+        lora_id=None,
+        tier="gpu",
+        lora_name=None,
+        extra_keys=None,
+        group_idx=None,
+    )
+
+
+def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, tmp_path):
+    engine = Engine(stack["endpoint"], "pod-e2e")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        try:
+            page.goto(stack["base"] + "/dashboard/")
+            expect(page).to_have_url(f"{stack['base']}/admin/login/?next=/dashboard/")
+            page.fill("#id_username", "ops")
+            page.fill("#id_password", PASSWORD)
+            page.click("input[type=submit]")
+            expect(page).to_have_url(stack["base"] + "/dashboard/")
+            connection = page.locator("#connection")
+            expect(connection).to_have_text("Live", timeout=10_000)
+
+            # ZeroMQ drops what a PUB sends before its subscription arrives: warm up with empty
+            # batches until the pod shows up on the page.
+            row = page.locator('tr[data-pod="pod-e2e"]')
+            deadline = time.monotonic() + 20
+            while not row.count():
+                assert time.monotonic() < deadline, "the pod never appeared"
+                engine.send([])
+                page.wait_for_timeout(200)
+            blocks = row.locator('[data-col="blocks"]')
+            expect(blocks).to_have_text("0")
+
+            engine.send([stored(base_capture, 25)])
+            started = time.monotonic()
+            expect(blocks).to_have_text("25", timeout=3_000)
+            assert time.monotonic() - started < 3.0
+            expect(row.locator('[data-col="hash_alignment"]')).to_have_text("100.0 %", timeout=3_000)
+            expect(row.locator('[data-col="status"]')).to_have_text("live")
+            expect(page.locator('[data-total="blocks"]')).to_contain_text("25")
+
+            page.fill("#pod-filter", "no-such-pod")
+            expect(row).to_be_hidden()
+            page.fill("#pod-filter", "e2e")
+            expect(row).to_be_visible()
+
+            # The web server restarts: the page reconnects by itself and keeps updating.
+            stack["web"].stop()
+            expect(connection).not_to_have_text("Live", timeout=10_000)
+            stack["web"].start()
+            expect(connection).to_have_text("Live", timeout=20_000)
+            engine.send([BlockRemoved(block_hashes=tuple(base_capture["block_hashes"][20:25]), tier="gpu")])
+            started = time.monotonic()
+            expect(blocks).to_have_text("20", timeout=3_000)
+            assert time.monotonic() - started < 3.0
+
+            row.locator("a").click()
+            expect(page).to_have_url(stack["base"] + "/dashboard/pods/pod-e2e/")
+            expect(page.locator('[data-field="blocks"]')).to_have_text("20", timeout=5_000)
+            expect(page.locator("#pod-log tbody tr").first).to_be_visible(timeout=5_000)
+            assert errors == []
+        finally:
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            browser.close()
+            engine.close()

@@ -1,0 +1,217 @@
+"""The dashboard websocket through the real ASGI stack: who may connect, what it sends, and
+that what a real ingest pipeline applies reaches it through the channel layer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+
+from dashboard import sampler as sampler_module
+from dashboard.sampler import FleetSampler
+from ingest.events import BlockRemoved, BlockStored
+from ingest.management.commands.ingest import Housekeeping
+from scoring.config import ServiceConfig
+from scoring.index import open_index
+from scoring.services import set_index
+from tests.dashboard.conftest import communicator, receive_until, session_cookie
+from tests.ingest.conftest import Harness
+
+ROW_FIELDS = {
+    "pod",
+    "model",
+    "blocks_by_tier",
+    "blocks",
+    "stored_per_s",
+    "removed_per_s",
+    "events_per_s",
+    "last_event_age",
+    "seq_gaps",
+    "missed_batches",
+    "restarts",
+    "decode_errors",
+    "hash_alignment",
+    "ranks",
+    "status",
+}
+TOTALS_FIELDS = {
+    "pods",
+    "live",
+    "stale",
+    "disabled",
+    "blocks",
+    "blocks_by_tier",
+    "stored_per_s",
+    "removed_per_s",
+    "events_per_s",
+    "seq_gaps",
+    "decode_errors",
+    "ingest_processes",
+    "scoring_available",
+    "hit_rate_available",
+    "score_requests_per_s",
+    "hit_rate",
+    "index_available",
+}
+
+
+@pytest.fixture
+def memory_index():
+    idx = open_index("memory://")
+    set_index(idx)
+    yield idx
+    set_index(None)
+    idx.close()
+
+
+@pytest.mark.parametrize("who", ["anonymous", "plain_user"])
+def test_only_staff_may_connect(who, request, transactional_db):
+    cookie = session_cookie(request.getfixturevalue(who)) if who != "anonymous" else ""
+
+    async def attempt():
+        comm = communicator("/ws/dashboard/", cookie=cookie)
+        connected, _ = await comm.connect()
+        await comm.disconnect()
+        return connected
+
+    assert async_to_sync(attempt)() is False
+
+
+def test_a_page_of_another_site_may_not_connect(staff_user):
+    cookie = session_cookie(staff_user)
+
+    async def attempt():
+        comm = communicator("/ws/dashboard/", cookie=cookie, origin="https://evil.test")
+        connected, _ = await comm.connect()
+        await comm.disconnect()
+        return connected
+
+    assert async_to_sync(attempt)() is False
+
+
+def test_staff_get_history_then_frames(staff_user, memory_index):
+    cookie = session_cookie(staff_user)
+
+    async def scenario():
+        comm = communicator("/ws/dashboard/", cookie=cookie)
+        connected, _ = await comm.connect()
+        assert connected
+        history = await comm.receive_json_from(timeout=5)
+        frames = [await comm.receive_json_from(timeout=5) for _ in range(2)]
+        await comm.disconnect()
+        return history, frames
+
+    history, frames = async_to_sync(scenario)()
+    assert history["type"] == "history"
+    assert {"t", "blocks", "events_per_s", "score_requests_per_s", "hit_rate", "pods"} <= set(history)
+    assert [f["type"] for f in frames] == ["frame", "frame"]
+    assert frames[1]["at"] > frames[0]["at"]  # pushed again, not the same frame twice
+    assert set(frames[0]["totals"]) == TOTALS_FIELDS
+    assert frames[0]["pods"] == []
+
+
+@pytest.fixture
+def pipeline(settings, redis_url):
+    """A real ingest pipeline writing to the Redis index the web side reads, and the ingest
+    command's housekeeping for it (registry, Redis snapshot, channel-layer group)."""
+    settings.REDIS_URL = redis_url
+    settings.KVCACHE_INDEX_BACKEND = "redis"
+    index = open_index(redis_url)
+    set_index(index)
+    harness = Harness(index, ServiceConfig(seed="42", default_block_size=16))
+    # Only the group may bring snapshots here: Redis (the fallback) is never read.
+    sampler_module._sampler = FleetSampler(
+        min_interval=0.05, history_seconds=60, stale_after=60, group_silence=float("inf")
+    )
+    housekeeping = Housekeeping(harness.stats)
+    yield harness, housekeeping
+    housekeeping.close()
+    harness.close()
+    set_index(None)
+    index.close()
+
+
+def stored(capture: dict, n: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=tuple(capture["block_hashes"][:n]),
+        parent_block_hash=None,
+        token_ids=tuple(capture["token_ids"][: 16 * n]),
+        block_size=16,
+        lora_id=None,
+        tier="gpu",
+        lora_name=None,
+        extra_keys=None,
+        group_idx=None,
+    )
+
+
+def test_frames_follow_events_through_a_real_pipeline(staff_user, pipeline, base_capture):
+    harness, housekeeping = pipeline
+    cookie = session_cookie(staff_user)
+
+    def row_of(pod):
+        return lambda m: m["type"] == "frame" and any(r["pod"] == pod for r in m["pods"])
+
+    async def scenario():
+        comm = communicator("/ws/dashboard/", cookie=cookie)
+        assert (await comm.connect())[0]
+        await comm.receive_json_from(timeout=5)  # history
+
+        pub = await sync_to_async(harness.publisher)("pod-a")
+        await sync_to_async(housekeeping.run_once)()  # snapshot 1: the pod, nothing stored
+        frame = await receive_until(comm, row_of("pod-a"))
+        [row] = frame["pods"]
+        assert (row["blocks"], row["status"], row["stored_per_s"]) == (0, "live", None)
+
+        pub.send([stored(base_capture, 25)])
+        await sync_to_async(harness.sync)("pod-a")
+        started = time.monotonic()
+        await sync_to_async(housekeeping.run_once)()  # snapshot 2: rates and an activity entry
+        frame = await receive_until(
+            comm, lambda m: m["type"] == "frame" and m["pods"] and m["pods"][0]["stored_per_s"]
+        )
+        latency = time.monotonic() - started
+        [row] = frame["pods"]
+        assert row["blocks"] == 25
+        assert row["blocks_by_tier"] == {"gpu": 25}
+        assert row["hash_alignment"] == 1.0  # the capture's engine hashes are our keys
+        assert row["stored_per_s"] > 0
+        assert frame["totals"]["ingest_processes"] == 1
+
+        pub.send([BlockRemoved(block_hashes=tuple(base_capture["block_hashes"][20:25]), tier="gpu")])
+        await sync_to_async(harness.sync)("pod-a")
+        frame = await receive_until(comm, lambda m: m["type"] == "frame" and m["pods"][0]["blocks"] == 20)
+        await comm.disconnect()
+
+        detail = communicator("/ws/dashboard/pods/pod-a/", cookie=cookie)
+        assert (await detail.connect())[0]
+        history = await detail.receive_json_from(timeout=5)
+        pod_frame = await receive_until(detail, lambda m: m["type"] == "frame")
+        await detail.disconnect()
+        return latency, history, pod_frame
+
+    latency, history, pod_frame = async_to_sync(scenario)()
+    assert latency < 1.0
+    assert history["pod"] == "pod-a"
+    assert history["t"] and len(history["blocks"]) == len(history["t"])
+    assert set(pod_frame["pod"]) == ROW_FIELDS
+    assert pod_frame["pod"]["blocks"] == 20
+    assert pod_frame["log"][0]["blocks_stored"] == 25  # newest first: the store of snapshot 2
+    assert history["log"] == pod_frame["log"]
+
+
+def test_housekeeping_survives_a_broken_channel_layer(settings, caplog, transactional_db):
+    settings.KVCACHE_INDEX_BACKEND = "memory"
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": ["redis://127.0.0.1:1/0"]},
+        }
+    }
+    from ingest.stats import IngestStats
+
+    housekeeping = Housekeeping(IngestStats())
+    housekeeping.run_once()
+    housekeeping.close()
+    assert "could not send ingest stats to the channel layer" in caplog.text

@@ -1,0 +1,208 @@
+"""The web process's fleet sampler against real sources: the registry database, an index, the
+ingest snapshots in Redis, a Prometheus registry."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from dashboard import selectors
+from dashboard.sampler import LOG_SIZE, FleetSampler
+from ingest.publish import publish_snapshot
+from scoring.index import open_index
+from scoring.index.base import Store, StoredBlock
+from scoring.models import Pod
+from scoring.services import set_index
+from tests.dashboard.conftest import stream
+
+MODEL = "Qwen/Qwen3-0.6B"
+
+
+@pytest.fixture
+def index(settings, redis_url) -> Iterator:
+    """The web side's index: the same Redis the ingest snapshots are shared through."""
+    settings.REDIS_URL = redis_url
+    settings.KVCACHE_INDEX_BACKEND = "redis"
+    idx = open_index(redis_url)
+    set_index(idx)
+    yield idx
+    set_index(None)
+    idx.close()
+
+
+def make_sampler(**overrides) -> FleetSampler:
+    options = {
+        "min_interval": 0.0,
+        "history_seconds": 60.0,
+        "stale_after": 30.0,
+        "group_silence": float("inf"),
+        "metrics": CollectorRegistry(),
+    }
+    return FleetSampler(**{**options, **overrides})
+
+
+def snapshot(at: float, *streams: dict, instance: str = "ingest-1", unattributed: dict | None = None) -> dict:
+    return {
+        "at": at,
+        "started_at": at - 100,
+        "instance": instance,
+        "streams": list(streams),
+        "unattributed_errors": unattributed or {},
+        "queue_full": {},
+    }
+
+
+def store(index, pod: str, n: int, *, tier: str = "gpu") -> None:
+    blocks = [StoredBlock(key, key, key.to_bytes(8, "big")) for key in range(1, n + 1)]
+    index.apply_updates([Store(MODEL, pod, tier, blocks)])
+
+
+def test_a_snapshot_counts_once_however_many_consumers_hand_it_over():
+    sampler = make_sampler()
+    first = snapshot(100.0, stream("a", blocks_stored=1))
+    assert sampler.observe(first)
+    assert not sampler.observe(first)
+    assert not sampler.observe(snapshot(99.0, stream("a", blocks_stored=9)))
+
+
+@pytest.mark.django_db
+def test_rates_and_activity_come_from_the_second_snapshot_on(index):
+    sampler = make_sampler()
+    now = time.time()
+    sampler.observe(snapshot(now - 2, stream("a", blocks_stored=10, last_event_at=now - 2)))
+    [row] = sampler.frame()["pods"]
+    assert row["stored_per_s"] is None
+    assert sampler.pod_log("a") == []
+
+    sampler.observe(snapshot(now, stream("a", blocks_stored=30, batches=2, last_event_at=now)))
+    [row] = sampler.frame()["pods"]
+    assert row["stored_per_s"] == pytest.approx(10.0)
+    [entry] = sampler.pod_log("a")
+    assert (entry["blocks_stored"], entry["batches"]) == (20, 2)
+
+
+def test_the_activity_log_is_bounded():
+    sampler = make_sampler()
+    for i in range(LOG_SIZE + 10):
+        sampler.observe(snapshot(float(i + 1), stream("a", batches=i)))
+    log = sampler.pod_log("a")
+    assert len(log) == LOG_SIZE
+    assert log[0]["at"] > log[-1]["at"]  # newest first
+
+
+@pytest.mark.django_db
+def test_a_frame_joins_registry_index_and_streams(index):
+    Pod.objects.create(pod_id="registered", model=MODEL, enabled=False)
+    store(index, "indexed", 3)
+    store(index, "indexed#dp1", 2, tier="cpu")
+    sampler = make_sampler()
+    now = time.time()
+    sampler.observe(snapshot(now, stream("streaming", last_event_at=now), unattributed={"bad_topic": 4}))
+    frame = sampler.frame()
+    rows = {r["pod"]: r for r in frame["pods"]}
+    assert set(rows) == {"registered", "indexed", "streaming"}
+    assert rows["indexed"]["blocks_by_tier"] == {"cpu": 2, "gpu": 3}
+    assert rows["registered"]["status"] == "disabled"
+    assert rows["streaming"]["status"] == "live"
+    totals = frame["totals"]
+    assert (totals["pods"], totals["blocks"], totals["decode_errors"]) == (3, 5, 4)
+    assert totals["ingest_processes"] == 1
+    assert totals["index_available"] is True
+    assert totals["scoring_available"] is False  # no kvcache_score counter: the page says n/a
+
+
+@pytest.mark.django_db
+def test_a_process_that_stopped_publishing_is_forgotten(index):
+    sampler = make_sampler()
+    sampler.observe(snapshot(time.time() - 60, stream("gone", last_event_at=time.time() - 60)))
+    assert sampler.frame()["totals"]["ingest_processes"] == 0
+
+
+@pytest.mark.django_db
+def test_frames_are_shared_within_the_interval(index):
+    sampler = make_sampler(min_interval=60.0)
+    first = sampler.frame()
+    store(index, "late", 1)
+    assert sampler.frame() is first
+
+
+@pytest.mark.django_db
+def test_scoring_rates_come_from_the_registry_counters(index):
+    metrics = CollectorRegistry()
+    requests = Counter("kvcache_score_requests", "scored", registry=metrics)
+    hits = Counter("kvcache_score_hits", "scored with a hit", registry=metrics)
+    sampler = make_sampler(metrics=metrics)
+    sampler.frame()
+    requests.inc(8)
+    hits.inc(2)
+    totals = sampler.frame()["totals"]
+    assert totals["scoring_available"] is True
+    assert totals["hit_rate_available"] is True
+    assert totals["score_requests_per_s"] > 0
+    assert totals["hit_rate"] == pytest.approx(0.25)
+
+
+@pytest.mark.django_db
+def test_redis_is_read_only_while_the_group_is_silent(index, redis_url):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    now = time.time()
+    publish_snapshot(client, snapshot(now, stream("via-redis", last_event_at=now)), instance="ingest-1")
+
+    silent = make_sampler(group_silence=0.0)
+    assert [r["pod"] for r in silent.frame()["pods"]] == ["via-redis"]
+
+    listening = make_sampler(group_silence=60.0)
+    listening.observe(snapshot(now, stream("via-group", last_event_at=now), instance="ingest-2"))
+    assert [r["pod"] for r in listening.frame()["pods"]] == ["via-group"]
+
+
+@pytest.mark.django_db
+def test_history_is_bounded_and_charts_the_pods_with_most_blocks(index):
+    sampler = make_sampler(history_seconds=0.3)
+    for pod, n in (("small", 1), ("big", 9), ("mid", 4)):
+        store(index, pod, n)
+    for _ in range(5):
+        sampler.frame()
+        time.sleep(0.1)
+    history = sampler.fleet_history(pods=2)
+    assert 2 <= len(history["t"]) <= 4
+    assert set(history["pods"]) == {"big", "mid"}
+    assert history["pods"]["big"][-1] == 9
+    pod = sampler.pod_history("mid")
+    assert pod["blocks"][-1] == 4
+    assert len(pod["t"]) == len(pod["blocks"]) == len(pod["stored_per_s"])
+
+
+@pytest.mark.django_db
+def test_two_hundred_pods_make_a_quick_frame_of_modest_size(index):
+    now = time.time()
+    pods = [f"pod-{i:03d}" for i in range(200)]
+    Pod.objects.bulk_create(Pod(pod_id=p, model=MODEL) for p in pods)
+    for p in pods:
+        store(index, p, 16)
+    sampler = make_sampler()
+    streams = [stream(p, blocks_stored=16, events=1, last_event_at=now) for p in pods]
+    sampler.observe(snapshot(now - 1, *streams))
+    sampler.observe(snapshot(now, *[{**s, "blocks_stored": 32} for s in streams]))
+    started = time.perf_counter()
+    frame = sampler.frame()
+    elapsed = time.perf_counter() - started
+    assert len(frame["pods"]) == 200
+    assert all(r["stored_per_s"] == pytest.approx(16.0) for r in frame["pods"])
+    assert elapsed < 0.5, f"a 200-pod frame took {elapsed:.3f}s"
+    assert len(json.dumps(frame)) < 150_000
+
+
+def test_the_scoring_counters_are_absent_until_registered():
+    metrics = CollectorRegistry()
+    assert selectors.scoring_counters(metrics) is None
+    Counter("kvcache_scoring_requests", "scored", ["outcome"], registry=metrics).labels("ok").inc(3)
+    Counter("kvcache_other_requests", "not scoring", registry=metrics).inc(100)
+    counters = selectors.scoring_counters(metrics)
+    assert (counters.requests, counters.hits) == (3.0, None)  # no hits counter: no hit rate

@@ -1,0 +1,59 @@
+"""The dashboard pages: staff only (others go to the admin login), accessible markup, and the
+front-end files served by the project itself."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.staticfiles import finders
+from django.test import Client
+from django.urls import reverse
+
+from tests.dashboard.conftest import make_user
+
+
+@pytest.fixture
+def staff_client(db) -> Client:
+    client = Client()
+    client.force_login(make_user("staff", staff=True))
+    return client
+
+
+@pytest.mark.parametrize("url", ["/dashboard/", "/dashboard/pods/pod-a/"])
+def test_anonymous_and_non_staff_go_to_the_admin_login(url, db):
+    client = Client()
+    response = client.get(url)
+    assert response.status_code == 302
+    assert response["Location"].startswith(reverse("admin:login"))
+    client.force_login(make_user("plain", staff=False))
+    assert client.get(url).status_code == 302
+
+
+def test_the_fleet_page_is_an_accessible_table_with_a_filter(staff_client):
+    html = staff_client.get("/dashboard/").content.decode()
+    assert html.count('<th scope="col"') == 11
+    assert '<label for="pod-filter">' in html and 'id="pod-filter"' in html
+    assert 'id="totals" class="totals" aria-live="polite"' in html
+    assert 'aria-sort="ascending"' in html
+    # Served by the project: no script or style from another host.
+    assert "/static/vendor/uplot/uPlot.iife.min.js" in html
+    assert "//cdn" not in html and "https://" not in html
+
+
+def test_the_pod_page_names_the_pod_even_before_it_is_registered(staff_client):
+    response = staff_client.get("/dashboard/pods/pod%2Fwith%2Fslashes/")
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert 'data-pod="pod/with/slashes"' in html
+    assert "Not in the pod registry" in html
+
+
+def test_the_charting_library_comes_from_node_modules():
+    found = finders.find("vendor/uplot/uPlot.iife.min.js")
+    assert found is not None, "run `make node-deps` (npm ci) first"
+    assert "node_modules/uplot/dist" in found
+
+
+def test_static_files_are_served_by_the_app(staff_client):
+    for path in ("/static/vendor/uplot/uPlot.iife.min.js", "/static/dashboard/dashboard.js"):
+        response = staff_client.get(path)
+        assert response.status_code == 200, path
