@@ -1,8 +1,17 @@
 """The whole write path in one object: SUB sockets -> shard pool -> one applier per worker ->
-index. The ``ingest`` command, the tests and ``bench/ingest.py`` all run this same pipeline."""
+index. The ``ingest`` command, the tests and ``bench/ingest.py`` all run this same pipeline.
+
+Garbage collection: an in-memory index holds millions of long-lived objects, and CPython's full
+collections traverse all of them (hundreds of milliseconds, stalling every worker). So once a
+second the pipeline collects what the last second left (short: only young objects are
+traversed) and then freezes the survivors out of the collector's reach (``gc.freeze``). Frozen
+objects are still freed by reference counting when the index drops them; only a cycle formed
+among them later would outlive its use, and the index's structures form none.
+"""
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable, Sequence
 
@@ -28,8 +37,11 @@ class IngestPipeline:
         workers: int = 4,
         queue_size: int = 10_000,
         context: zmq.Context | None = None,
+        gc_freeze_seconds: float | None = 1.0,
     ) -> None:
         self.stats = stats or IngestStats()
+        self._gc_freeze_seconds = gc_freeze_seconds
+        self._stopped = threading.Event()
         self.appliers: list[EventApplier] = []
 
         def handler_factory(_worker: int):
@@ -53,12 +65,20 @@ class IngestPipeline:
     def start(self) -> None:
         self.pool.start()
         self._thread.start()
+        if self._gc_freeze_seconds:
+            threading.Thread(target=self._freeze_survivors, name="ingest-gc", daemon=True).start()
 
     def stop(self, *, drain_timeout: float = 30.0) -> None:
         """Stop receiving, let every worker finish its queue, then return."""
         self.receiver.stop()
+        self._stopped.set()
         self._thread.join(5)
         self.pool.drain_and_stop(drain_timeout)
+
+    def _freeze_survivors(self) -> None:
+        while not self._stopped.wait(self._gc_freeze_seconds):
+            gc.collect()
+            gc.freeze()
 
     def forget_pod(self, pod: str) -> None:
         """Drop per-pod state everywhere (the pod was disabled or deleted)."""

@@ -39,14 +39,16 @@ def longest_prefix_scores(
     score = dict.fromkeys(active, 0.0)
     matched = dict.fromkeys(active, 0)
     weakest: dict[str, tuple[float, str]] = {}
-    for block in holders:
+    # The blocks of a shared prefix usually have the same holders: score each run of equal
+    # holder maps once, times its length.
+    for block, run in _runs(holders):
         active.intersection_update(block)
         if not active:
             break
         for pod in active:
             best_weight, best_tier = max((tier_weight(t), t) for t in block[pod])
-            score[pod] += best_weight
-            matched[pod] += 1
+            score[pod] += best_weight * run
+            matched[pod] += run
             if pod not in weakest or best_weight < weakest[pod][0]:
                 weakest[pod] = (best_weight, best_tier)
     return {
@@ -58,3 +60,20 @@ def longest_prefix_scores(
         )
         for pod in sorted(score)
     }
+
+
+def _runs(holders: Sequence[HolderMap]) -> list[tuple[HolderMap, int]]:
+    """``holders`` as (holder map, how many consecutive blocks have it)."""
+    runs: list[tuple[HolderMap, int]] = []
+    prev: HolderMap | None = None
+    count = 0
+    for block in holders:
+        if block is prev or block == prev:
+            count += 1
+            continue
+        if prev is not None:
+            runs.append((prev, count))
+        prev, count = block, 1
+    if prev is not None:
+        runs.append((prev, count))
+    return runs
