@@ -86,6 +86,7 @@ run: install
 bench: install
 	$(PY) bench/keys.py
 	$(PY) bench/ingest.py
+	$(PY) bench/score.py
 
 freeze:
 	$(BIN)/pip freeze | grep -v '^-e' > requirements.txt
