@@ -66,6 +66,9 @@ PREFIX_STORE_REUSED_TOKENS = Counter(
 SCORING_REQUESTS = Counter(
     "kvcache_scoring_requests", "Scoring requests by endpoint and outcome.", ["endpoint", "outcome"]
 )
+SCORING_HITS = Counter(
+    "kvcache_scoring_hits", "Scored requests where some pod holds at least the first block.", ["endpoint"]
+)
 SCORING_CORE_LATENCY = Histogram(
     "kvcache_scoring_core_latency_seconds",
     "Time in the read path core (render + tokenize + keys + lookup + score) per request.",
@@ -93,6 +96,8 @@ def observe_result(endpoint: str, result: ScoreResult) -> None:
     if result.templated is not None:
         RENDER_LATENCY.labels(result.model).observe(timings.render)
     SCORING_CORE_LATENCY.labels(endpoint).observe(timings.total)
+    if result.scores:
+        SCORING_HITS.labels(endpoint).inc()
 
 
 def count_request(endpoint: str, outcome: str) -> None:

@@ -100,6 +100,8 @@ def test_metrics_count_lookups_tokenization_and_requests_under_upstream_names(cl
         grew("kvcache_scoring_requests_total", endpoint="score_completions", outcome="model_not_found") == 1
     )
     assert grew("kvcache_tokenization_prefix_store_requests_total", tokenizer=MODEL) == 2
+    assert grew("kvcache_scoring_hits_total", endpoint="score_completions") == 1  # pod-a held the prompt
+    assert grew("kvcache_scoring_hits_total", endpoint="score_chat_completions") == 0
     assert sample(after, "kvcache_pod_blocks", pod="pod-a", model=MODEL, tier="gpu") == 25
     assert sample(after, "kvcache_index_up") == 1
 
