@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import platform
 import random
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import zmq  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from ingest.events import BlockStored, encode_batch, encode_message  # noqa: E402
 from scoring.keys import chain_digests, key_of, root_digest  # noqa: E402
 
@@ -179,23 +177,6 @@ def run_case(url: str, workers: int, args, streams) -> dict:
         "latency_batches": len(latencies),
         "p50_ms": round(1000 * percentile(latencies, 0.5), 2) if latencies else None,
         "p99_ms": round(1000 * percentile(latencies, 0.99), 2) if latencies else None,
-    }
-
-
-def machine() -> dict:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "date": datetime.now(UTC).isoformat(),
     }
 
 

@@ -19,8 +19,6 @@ import argparse
 import gc
 import hashlib
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -36,31 +34,13 @@ if str(REPO) not in sys.path:
 
 import cbor2  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from scoring.keys import block_digest, chain_digests, root_digest  # noqa: E402
 
 BLOCK_SIZE = 16
 VOCAB = 151_936  # Qwen2/Qwen3 vocabulary size
 SEED = "42"
 LORA = ("Alice",)
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "cbor2": metadata.version("cbor2"),
-    }
 
 
 def cbor2_chain(blocks: list[list[int]], parent: bytes, extra: tuple | None) -> bytes:
@@ -177,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     info = {
         "benchmark": "block keys",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine(cbor2=metadata.version("cbor2")),
         "params": {
             "block_size": BLOCK_SIZE,
             "vocab": VOCAB,

@@ -31,7 +31,6 @@ import gc
 import http.client
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from urllib.parse import urlsplit
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.machine import machine  # noqa: E402
 
 MODEL = "Qwen/Qwen3-0.6B"
 SEED = "42"
@@ -405,24 +406,6 @@ def print_table(info: dict) -> None:
         "\nms; breakdown = medians of the Server-Timing steps; frame = client latency - core time "
         "(HTTP, daphne, Django, DRF, JSON, client)."
     )
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "load_average_at_start": os.getloadavg(),
-    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks: each script prints a table and writes its JSON results under var/bench/."""
