@@ -30,7 +30,7 @@ $(VENV)/.installed: requirements.txt | $(BIN)/activate
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
 	touch $@
 
-install: $(VENV)/.installed system-deps node-deps
+install: $(VENV)/.installed node-deps
 
 # Debian packages the stack or the tests need; installed only when missing. Chromium (and a
 # font for it to render text with) drives the dashboard's browser test.
@@ -49,7 +49,7 @@ node-deps:
 	  npm ci --no-audit --no-fund; \
 	fi
 
-test: install
+test: install system-deps
 	$(PY) -m pytest
 
 lint: install
