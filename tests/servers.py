@@ -8,9 +8,23 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
+
+
+def wait_until(condition: Callable[[], object], *, timeout: float = 5.0, what: str = "condition") -> object:
+    """Poll ``condition`` every 10 ms until it is truthy (returned), failing after ``timeout`` s
+    with a message naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
 
 
 def free_port() -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -12,19 +12,9 @@ from ingest.events import encode_batch, encode_message
 from ingest.pipeline import IngestPipeline
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex, open_index
+from tests.servers import wait_until
 
 MODEL = "Qwen/Qwen3-0.6B"
-
-
-def wait_until(condition: Callable[[], object], *, timeout: float = 5.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 class Publisher:

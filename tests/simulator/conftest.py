@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -14,20 +14,10 @@ from ingest.events import Message, decode_message
 from scoring.tokenization import TokenizerRegistry
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
 from simulator.pod import PodTokenizer
+from tests.servers import wait_until
 
 MODEL = "Qwen/Qwen3-0.6B"
 ZERO_LATENCY = LatencyConfig(prefill_overhead_ms=0, prefill_time_per_token_ms=0, inter_token_latency_ms=0)
-
-
-def wait_until(condition: Callable[[], object], *, timeout: float = 5.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")
