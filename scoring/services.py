@@ -22,12 +22,16 @@ _index_lock = threading.Lock()
 
 
 def index_url() -> str:
+    """The index this process opens: ``redis`` -> ``REDIS_URL``; ``memory`` or a
+    ``memory://?max_keys=..&max_bytes=2GiB`` URL -> an in-process index with those bounds."""
     backend = settings.KVCACHE_INDEX_BACKEND
     if backend == "memory":
         return "memory://"
+    if backend.startswith("memory://"):
+        return backend
     if backend == "redis":
         return settings.REDIS_URL
-    raise ValueError(f"KVCACHE_INDEX_BACKEND must be 'redis' or 'memory', not {backend!r}")
+    raise ValueError(f"KVCACHE_INDEX_BACKEND must be 'redis', 'memory' or a memory:// URL, not {backend!r}")
 
 
 def get_index() -> KVIndex:

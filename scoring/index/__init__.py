@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from scoring.index.base import HolderMap, IndexUnavailable, KVIndex, PodBlocks, StoredBlock
-from scoring.index.memory import MemoryIndex
+from scoring.index.memory import MemoryIndex, parse_size
 
 __all__ = [
     "HolderMap",
@@ -21,9 +21,10 @@ __all__ = [
     "PodBlocks",
     "StoredBlock",
     "open_index",
+    "parse_size",
 ]
 
-_MEMORY_OPTIONS = ("max_keys", "pod_cache_size")
+_MEMORY_OPTIONS = ("max_keys", "pod_cache_size", "max_bytes")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -31,8 +32,9 @@ def open_index(url: str, **options: Any) -> KVIndex:
     """The index a URL names.
 
     * ``memory://`` -> ``MemoryIndex``; query parameters ``max_keys`` and ``pod_cache_size``
-      (integers), e.g. ``memory://?max_keys=1000000&pod_cache_size=10``. Keyword ``options``
-      override the query.
+      (integers) and ``max_bytes`` (a size for ``parse_size``: ``2GiB``, ``42MB``, ``1000000``),
+      e.g. ``memory://?max_keys=1000000&pod_cache_size=10`` or ``memory://?max_bytes=2GiB``.
+      Keyword ``options`` override the query.
     * ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex.from_url(url, **options)``;
       redis-py reads connection settings from the URL's query (e.g. ``?socket_timeout=1``).
 
@@ -45,6 +47,12 @@ def open_index(url: str, **options: Any) -> KVIndex:
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name not in _MEMORY_OPTIONS:
                 raise ValueError(f"unknown memory index option {name!r}; known: {', '.join(_MEMORY_OPTIONS)}")
+            if name == "max_bytes":
+                try:
+                    params[name] = parse_size(value)
+                except ValueError as error:
+                    raise ValueError(f"memory index option max_bytes: {error}") from None
+                continue
             try:
                 params[name] = int(value.replace("_", ""))
             except ValueError:

@@ -15,14 +15,33 @@ Invariants (``_drop_entry`` is the one place an entry leaves, whatever the reaso
   ``_pods[model][pod].tiers[tier]``;
 * every engine hash of a pod maps to a digest whose key the pod holds on at least one tier;
 * no empty containers: a block without holders, a tier without keys, a pod without tiers and a
-  model without pods are deleted.
+  model without pods are deleted;
+* ``_bytes`` is the cost model below summed over every entry in the three maps; so it is 0 when
+  the index is empty. It is kept incrementally: where an entry goes in or leaves, never by a scan.
+
+Cost model (``estimated_bytes``, bounded by ``max_bytes``): an estimate of the memory the three
+maps hold, from per-entry constants measured once at import with ``sys.getsizeof`` plus the
+lengths of the strings and digests stored:
+
+* a ``(model, key)`` entry: ``KEY_ENTRY_BYTES + len(model)`` (its ``OrderedDict`` slot, the
+  ``(model, key)`` tuple, the key int, the ``_Block`` and its holders dict with one holder);
+* a ``(pod, tier)`` holder of a key: ``HOLDER_ENTRY_BYTES + len(pod) + len(tier)`` (its slot in
+  the holders dict, the ``(pod, tier)`` tuple, the key's slot in the reverse-index set);
+* an engine hash: ``ENGINE_ENTRY_BYTES + len(digest)`` (its slot in the engine map, the hash
+  int, the digest bytes, its slot and a one-element set in ``hashes_of``).
+
+Each entry is charged as if it owned its tuple and strings, though one store shares them, so the
+estimate errs high; per-pod and per-model containers (a handful) are not counted.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from decimal import Decimal
 
 from scoring.index.base import ClearPod, HolderMap, IndexUpdate, PodBlocks, Remove, Store, StoredBlock, Tier
 from scoring.keys import BlockKey, Digest, key_of
@@ -31,6 +50,50 @@ DEFAULT_MAX_KEYS = 10_000_000
 DEFAULT_POD_CACHE_SIZE = 128
 """Holders kept per key. Upstream keeps 10; a fleet whose pods all cache one long system prompt
 would then show only 10 of them warm, so we keep enough for a large fleet (and Redis keeps all)."""
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?", re.IGNORECASE)
+_UNITS = {"b": 1} | {
+    unit: base**power
+    for power, prefix in enumerate("kmgt", start=1)
+    for unit, base in ((f"{prefix}b", 1000), (f"{prefix}ib", 1024))
+}
+
+
+def parse_size(size: str | int) -> int:
+    """A byte count from ``size``: an int, or a number with an optional unit, case-insensitive:
+    ``B``, decimal ``KB MB GB TB`` (powers of 1000) or binary ``KiB MiB GiB TiB`` (powers of
+    1024). ``"42MB"`` is 42_000_000, ``"42MiB"`` is 44_040_192, ``"1.5GB"`` is 1_500_000_000;
+    ``_`` may separate digits; a fraction of a byte is dropped. ``ValueError`` for anything else.
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 0:
+            raise ValueError(f"a size cannot be negative: {size}")
+        return size
+    match = _SIZE.fullmatch(size.strip().replace("_", "")) if isinstance(size, str) else None
+    if match is None:
+        raise ValueError(
+            f"not a size: {size!r}; write a number with an optional unit, e.g. 2GiB, 42MB, 1.5GB "
+            "(B, KB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, TiB in powers of 1024)"
+        )
+    number, unit = match.groups()
+    return int(Decimal(number) * _UNITS[(unit or "b").lower()])
+
+
+def _slot_bytes(make: type) -> int:
+    """The mean bytes per entry of a large container of type ``make``, over one doubling of its
+    size (its table's load, and so the cost per entry, varies within one)."""
+    empty = sys.getsizeof(make())
+    sizes = range(1024, 2048, 128)
+    return round(sum((sys.getsizeof(make(dict.fromkeys(range(n)))) - empty) / n for n in sizes) / len(sizes))
+
+
+_INT_BYTES = sys.getsizeof(1 << 63)  # a 64-bit key or engine hash
+_PAIR_BYTES = sys.getsizeof(("", 0))
+HOLDER_ENTRY_BYTES = _slot_bytes(dict) + _PAIR_BYTES + _slot_bytes(set)
+"""Bytes of one ``(pod, tier)`` holder of a key, besides ``len(pod) + len(tier)``."""
+ENGINE_ENTRY_BYTES = _slot_bytes(dict) * 2 + _INT_BYTES + sys.getsizeof(b"") + sys.getsizeof({0})
+"""Bytes of one engine hash, besides ``len(digest)``."""
 
 
 class _Block:
@@ -54,6 +117,16 @@ class _Block:
         return view
 
 
+KEY_ENTRY_BYTES = (
+    _slot_bytes(OrderedDict)
+    + _PAIR_BYTES
+    + _INT_BYTES
+    + sys.getsizeof(_Block())
+    + sys.getsizeof({("", ""): None})
+)
+"""Bytes of one ``(model, key)`` entry, besides ``len(model)``."""
+
+
 class _PodState:
     """What one pod holds under one model: the reverse index and the engine-hash map."""
 
@@ -72,26 +145,42 @@ class MemoryIndex:
     """A ``KVIndex`` in this process's memory. Thread-safe: every method takes one lock.
 
     ``max_keys`` bounds the number of ``(model, block key)`` entries (least recently stored or
-    looked up goes first); ``pod_cache_size`` bounds the ``(pod, tier)`` entries per key (oldest
-    stored goes first). Evictions keep the reverse index and the engine-hash map consistent.
+    looked up goes first); ``max_bytes``, when set, bounds ``estimated_bytes`` the same way (keys
+    go, least recent first, until it fits); ``pod_cache_size`` bounds the ``(pod, tier)`` entries
+    per key (oldest stored goes first). Evictions keep the reverse index and the engine-hash map
+    consistent.
     """
 
     def __init__(
-        self, *, max_keys: int = DEFAULT_MAX_KEYS, pod_cache_size: int = DEFAULT_POD_CACHE_SIZE
+        self,
+        *,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        pod_cache_size: int = DEFAULT_POD_CACHE_SIZE,
+        max_bytes: int | None = None,
     ) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be at least 1")
         if pod_cache_size < 1:
             raise ValueError("pod_cache_size must be at least 1")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError("max_bytes must be at least 1 (or None for no byte budget)")
         self.max_keys = max_keys
         self.pod_cache_size = pod_cache_size
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._blocks: OrderedDict[tuple[str, BlockKey], _Block] = OrderedDict()
         self._pods: dict[str, dict[str, _PodState]] = {}
+        self._bytes = 0
 
     def __len__(self) -> int:
         """The number of ``(model, block key)`` entries (never more than ``max_keys``)."""
         return len(self._blocks)
+
+    @property
+    def estimated_bytes(self) -> int:
+        """The cost model (module docstring) summed over every entry; never more than
+        ``max_bytes`` after a write returns."""
+        return self._bytes
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -141,11 +230,14 @@ class MemoryIndex:
         """Remove everything under ``model``; returns the number of ``(key, pod, tier)`` entries."""
         removed = 0
         with self._lock:
-            for state in self._pods.pop(model, {}).values():
-                for keys in state.tiers.values():
+            for pod, state in self._pods.pop(model, {}).items():
+                for tier, keys in state.tiers.items():
                     for key in keys:
-                        self._blocks.pop((model, key), None)
+                        if self._blocks.pop((model, key), None) is not None:
+                            self._bytes -= KEY_ENTRY_BYTES + len(model)
                     removed += len(keys)
+                    self._bytes -= (HOLDER_ENTRY_BYTES + len(pod) + len(tier)) * len(keys)
+                self._bytes -= _engine_bytes(state)
         return removed
 
     # -- reads ----------------------------------------------------------------------------------
@@ -200,6 +292,7 @@ class MemoryIndex:
         with self._lock:
             self._blocks.clear()
             self._pods.clear()
+            self._bytes = 0
 
     # -- the writes, with the lock held ----------------------------------------------------------
 
@@ -211,11 +304,19 @@ class MemoryIndex:
             state = self._pods[model][pod] = _PodState()
         tier_keys = state.tiers.setdefault(tier, set())
         all_blocks = self._blocks
+        # Bytes added are charged once, after the loop; what leaves is charged in _drop_entry. The
+        # pod bound below drops holders of other (pod, tier)s, never a key nor this pod's engine
+        # hashes, so the growth of _blocks, tier_keys and state.engine counts the new keys, holders
+        # and engine hashes; only digest lengths are summed per block.
+        digest_bytes = 0
+        keys_before, holders_before, hashes_before = len(all_blocks), len(tier_keys), len(state.engine)
         for b in blocks:
             key = b.key
             old = state.engine.get(b.engine_hash)
             if old != b.digest:
+                digest_bytes += len(b.digest)
                 if old is not None:
+                    digest_bytes -= len(old)
                     self._unlink_hash(state, key_of(old), b.engine_hash)
                 state.engine[b.engine_hash] = b.digest
                 state.hashes_of.setdefault(key, set()).add(b.engine_hash)
@@ -233,7 +334,14 @@ class MemoryIndex:
                 # The oldest entry, never the one just added: it is last and the bound is >= 1.
                 old_pod, old_tier = next(iter(block.holders))
                 self._drop_entry(model, key, block, old_pod, old_tier)
-        while len(all_blocks) > self.max_keys:
+        self._bytes += (
+            digest_bytes
+            + (len(state.engine) - hashes_before) * ENGINE_ENTRY_BYTES
+            + (len(all_blocks) - keys_before) * (KEY_ENTRY_BYTES + len(model))
+            + (len(tier_keys) - holders_before) * (HOLDER_ENTRY_BYTES + len(pod) + len(tier))
+        )
+        budget = self.max_bytes
+        while len(all_blocks) > self.max_keys or (budget is not None and self._bytes > budget and all_blocks):
             (old_model, old_key), block = all_blocks.popitem(last=False)
             for old_pod, old_tier in list(block.holders):
                 self._drop_entry(old_model, old_key, block, old_pod, old_tier)
@@ -273,7 +381,10 @@ class MemoryIndex:
                 block.view = None
                 if not block.holders:
                     del self._blocks[ident]
+                    self._bytes -= KEY_ENTRY_BYTES + len(model)
             removed += len(keys)
+            self._bytes -= (HOLDER_ENTRY_BYTES + len(pod) + len(tier)) * len(keys)
+        self._bytes -= _engine_bytes(state)
         if not pods:
             del self._pods[model]
         return removed
@@ -288,8 +399,11 @@ class MemoryIndex:
         Requires ``(pod, tier)`` in ``block.holders`` (and so ``key`` in the reverse index)."""
         del block.holders[(pod, tier)]
         block.view = None
+        freed = HOLDER_ENTRY_BYTES + len(pod) + len(tier)
         if not block.holders:
+            # The caller may have popped it already (global eviction); it is charged here either way.
             self._blocks.pop((model, key), None)
+            freed += KEY_ENTRY_BYTES + len(model)
         pods = self._pods[model]
         state = pods[pod]
         keys = state.tiers[tier]
@@ -298,7 +412,8 @@ class MemoryIndex:
             del state.tiers[tier]
         if not state.holds(key):
             for engine_hash in state.hashes_of.pop(key, ()):
-                del state.engine[engine_hash]
+                freed += ENGINE_ENTRY_BYTES + len(state.engine.pop(engine_hash))
+        self._bytes -= freed
         if not state.tiers:
             del pods[pod]
             if not pods:
@@ -312,3 +427,8 @@ class MemoryIndex:
             hashes.discard(engine_hash)
             if not hashes:
                 del state.hashes_of[key]
+
+
+def _engine_bytes(state: _PodState) -> int:
+    """The cost of every engine hash of ``state`` (for dropping a whole pod at once)."""
+    return len(state.engine) * ENGINE_ENTRY_BYTES + sum(map(len, state.engine.values()))

@@ -22,11 +22,14 @@ GPU = frozenset({"gpu"})
 CPU = frozenset({"cpu"})
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "memory-max-bytes", "redis"])
 def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     if request.param == "memory":
         # Its bound on entries per key is its own (test_memory); 50 writers x 2 tiers must fit.
         idx: KVIndex = MemoryIndex(pod_cache_size=1000)
+    elif request.param == "memory-max-bytes":
+        # The same, with a byte budget that every test fits in, so the bookkeeping runs throughout.
+        idx = MemoryIndex(pod_cache_size=1000, max_bytes=64 << 20)
     else:
         idx = open_index(request.getfixturevalue("redis_url"))
     yield idx

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from scoring.index import MemoryIndex, PodBlocks, open_index
 from scoring.index.base import ClearPod, Remove, Store
-from scoring.index.memory import DEFAULT_MAX_KEYS, DEFAULT_POD_CACHE_SIZE
+from scoring.index.memory import (
+    DEFAULT_MAX_KEYS,
+    DEFAULT_POD_CACHE_SIZE,
+    ENGINE_ENTRY_BYTES,
+    HOLDER_ENTRY_BYTES,
+    KEY_ENTRY_BYTES,
+    parse_size,
+)
 from scoring.keys import key_of
 from tests.index import MODEL, chain, hashes, keys
 
@@ -38,6 +46,25 @@ def assert_consistent(index: MemoryIndex) -> None:
             linked = {h: k for k, hs in state.hashes_of.items() for h in hs}
             assert linked == {h: key_of(d) for h, d in state.engine.items()}
             assert all(state.holds(k) for k in state.hashes_of)
+    assert index.estimated_bytes == recounted_bytes(index)
+    assert index.max_bytes is None or index.estimated_bytes <= index.max_bytes
+
+
+def recounted_bytes(index: MemoryIndex) -> int:
+    """The cost model of ``scoring.index.memory``, summed from scratch over the private state."""
+    total = 0
+    for (model, _), block in index._blocks.items():
+        total += KEY_ENTRY_BYTES + len(model)
+        total += sum(HOLDER_ENTRY_BYTES + len(pod) + len(tier) for pod, tier in block.holders)
+    for pods in index._pods.values():
+        for state in pods.values():
+            total += sum(ENGINE_ENTRY_BYTES + len(digest) for digest in state.engine.values())
+    return total
+
+
+def one_block_bytes(*, model: str = MODEL, pod: str = "pod1", tier: str = "gpu") -> int:
+    """What one key held by one ``(pod, tier)`` with one 32-byte-digest engine hash costs."""
+    return KEY_ENTRY_BYTES + len(model) + HOLDER_ENTRY_BYTES + len(pod) + len(tier) + ENGINE_ENTRY_BYTES + 32
 
 
 def test_defaults_match_the_documented_bounds() -> None:
@@ -212,7 +239,7 @@ def test_close_empties_the_index() -> None:
     assert len(index) == 0 and index.pod_blocks() == []
 
 
-@pytest.mark.parametrize("options", [{"max_keys": 0}, {"pod_cache_size": 0}])
+@pytest.mark.parametrize("options", [{"max_keys": 0}, {"pod_cache_size": 0}, {"max_bytes": 0}])
 def test_bounds_must_be_positive(options: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         MemoryIndex(**options)
@@ -228,8 +255,178 @@ def test_open_index_reads_memory_options_from_the_url() -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["memory://?max_key=5", "memory://?max_keys=lots", "postgres://localhost/db", "localhost:6379"]
+    "url",
+    [
+        "memory://?max_key=5",
+        "memory://?max_keys=lots",
+        "memory://?max_bytes=lots",
+        "memory://?max_bytes=2GB2",
+        "memory://?max_bytes=0",
+        "postgres://localhost/db",
+        "localhost:6379",
+    ],
 )
 def test_open_index_rejects_what_it_cannot_open(url: str) -> None:
     with pytest.raises(ValueError):
         open_index(url)
+
+
+# -- the byte budget ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        ("2GiB", 2_147_483_648),
+        ("42MB", 42_000_000),
+        ("42MiB", 44_040_192),
+        ("1.5GB", 1_500_000_000),
+        ("1024", 1024),
+        (1024, 1024),
+        ("1_000", 1000),
+        ("7B", 7),
+        ("3kb", 3000),
+        ("3 KiB", 3072),
+        ("2tb", 2_000_000_000_000),
+        ("1TiB", 1 << 40),
+        ("0.5kib", 512),
+        (" 2gib ", 2_147_483_648),
+    ],
+)
+def test_parse_size_reads_decimal_and_binary_units(size: str | int, expected: int) -> None:
+    assert parse_size(size) == expected
+
+
+@pytest.mark.parametrize(
+    "size", ["", "GiB", "lots", "-1MB", -1, "1.5k", "2 GiBs", "10MBB", "1e9", "2PB", "1.2.3MB", None, 1.5]
+)
+def test_parse_size_rejects_anything_else(size: object) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(size)  # type: ignore[arg-type]
+
+
+def test_a_byte_budget_evicts_the_least_recently_used_keys_first() -> None:
+    index = MemoryIndex(max_bytes=2 * one_block_bytes())
+    for block in (A, B, C):
+        index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[block])
+        assert index.estimated_bytes <= index.max_bytes
+        assert_consistent(index)
+
+    assert len(index) == 2 and index.estimated_bytes == 2 * one_block_bytes()
+    assert index.lookup(model=MODEL, keys=[A.key]) == []
+    assert index.lookup(model=MODEL, keys=[B.key, C.key]) == [{"pod1": GPU}] * 2
+    # The evicted key's engine hash went with it.
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=hashes([A, B, C])) == [
+        None,
+        B.digest,
+        C.digest,
+    ]
+
+
+def test_a_lookup_hit_protects_a_key_from_the_byte_budget() -> None:
+    index = MemoryIndex(max_bytes=2 * one_block_bytes())
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A, B])
+    index.lookup(model=MODEL, keys=[A.key])
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[C])
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": GPU}]
+    assert index.lookup(model=MODEL, keys=[B.key]) == []
+    assert_consistent(index)
+
+
+def test_the_byte_budget_charges_every_holder_of_a_key() -> None:
+    index = MemoryIndex(max_bytes=one_block_bytes() + one_block_bytes(pod="pod2"))
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=[A])  # A now costs two holders' worth
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[B])
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == []
+    assert index.lookup(model=MODEL, keys=[B.key]) == [{"pod1": GPU}]
+    assert index.resolve(model=MODEL, pod="pod2", engine_hashes=[A.engine_hash]) == [None]
+    assert_consistent(index)
+
+
+def test_a_budget_below_one_key_keeps_nothing() -> None:
+    index = MemoryIndex(max_bytes=one_block_bytes() - 1)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+
+    assert len(index) == 0 and index.estimated_bytes == 0 and index.pod_blocks() == []
+    assert_consistent(index)
+
+
+def test_the_byte_budget_keeps_every_map_consistent_under_random_workloads() -> None:
+    rng = random.Random(11)
+    index = MemoryIndex(max_bytes=10 * one_block_bytes(), pod_cache_size=3)
+    blocks, adopted = chain(20), chain(8, first_token=5000, engine_hash_offset=100)
+    pods, tiers = ["p1", "p2", "pod-with-a-long-name"], ["gpu", "cpu"]
+    evicted = False
+    for step in range(600):
+        pod, tier = rng.choice(pods), rng.choice(tiers)
+        action = rng.random()
+        if action < 0.55:
+            start = rng.randrange(20)
+            batch = rng.choice([blocks[start : start + 6], adopted[start % 8 :]])
+            before = set(index._blocks)
+            index.store(model=rng.choice(["m1", "m2"]), pod=pod, tier=tier, blocks=batch)
+            # A store drops a key only to fit the budget (the pod bound drops holders, not keys).
+            evicted = evicted or not before <= set(index._blocks)
+        elif action < 0.85:
+            index.remove(model="m1", pod=pod, tier=tier, engine_hashes=hashes(rng.sample(blocks, 5)))
+        elif action < 0.95:
+            index.lookup(model="m2", keys=keys(blocks[: rng.randrange(20)]))
+        else:
+            index.clear_pod(pod=pod, model=None if step % 2 else "m1")
+        assert_consistent(index)  # includes estimated_bytes == a recount and <= max_bytes
+    assert evicted
+
+
+def _fill(index: MemoryIndex) -> None:
+    index.store(model="m1", pod="pod1", tier="gpu", blocks=[A, B, C])
+    index.store(model="m1", pod="pod2", tier="cpu", blocks=[A, B])
+    index.store(model="m2", pod="pod1", tier="gpu", blocks=chain(3, engine_hash_offset=7))
+
+
+@pytest.mark.parametrize(
+    "clear",
+    [
+        pytest.param(lambda index: index.close(), id="close"),
+        pytest.param(lambda index: [index.clear_pod(pod=p) for p in ("pod1", "pod2")], id="clear_pod"),
+        pytest.param(lambda index: [index.clear_model(model=m) for m in ("m1", "m2")], id="clear_model"),
+        pytest.param(
+            lambda index: index.apply_updates(
+                [
+                    Remove("m1", "pod1", "gpu", hashes([A, B, C])),
+                    Remove("m1", "pod2", "cpu", hashes([A, B])),
+                    Remove("m2", "pod1", "gpu", [7, 8, 9]),
+                ]
+            ),
+            id="remove",
+        ),
+    ],
+)
+def test_estimated_bytes_returns_to_zero_when_everything_is_cleared(
+    clear: Callable[[MemoryIndex], object],
+) -> None:
+    index = MemoryIndex(max_bytes=1 << 20)
+    _fill(index)
+    assert index.estimated_bytes == recounted_bytes(index) > 0
+
+    clear(index)
+
+    assert len(index) == 0 and index.estimated_bytes == 0
+    assert_consistent(index)
+
+
+def test_estimated_bytes_is_kept_without_a_budget_too() -> None:
+    index = MemoryIndex()
+    _fill(index)
+
+    assert index.max_bytes is None and index.estimated_bytes == recounted_bytes(index) > 0
+
+
+def test_open_index_reads_a_byte_budget_from_the_url() -> None:
+    assert open_index("memory://?max_bytes=2GiB").max_bytes == 2_147_483_648
+    assert open_index("memory://?max_bytes=42MB&max_keys=10").max_bytes == 42_000_000
+    assert open_index("memory://?max_bytes=42MiB").max_bytes == 44_040_192
+    assert open_index("memory://?max_bytes=1GB", max_bytes=1000).max_bytes == 1000
+    assert open_index("memory://").max_bytes is None
