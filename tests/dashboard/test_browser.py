@@ -17,8 +17,9 @@ import pytest
 import zmq
 from playwright.sync_api import expect, sync_playwright
 
-from ingest.events import BlockRemoved, BlockStored, encode_batch, encode_message
+from ingest.events import BlockRemoved, encode_batch, encode_message
 from tests.dashboard.conftest import ROOT, Process
+from tests.events import stored_event
 from tests.ingest.conftest import MODEL
 from tests.servers import free_port
 
@@ -119,20 +120,6 @@ class Engine:
         self.context.term()
 
 
-def stored(capture: dict, n: int) -> BlockStored:
-    return BlockStored(
-        block_hashes=tuple(capture["block_hashes"][:n]),
-        parent_block_hash=None,
-        token_ids=tuple(capture["token_ids"][: 16 * n]),
-        block_size=16,
-        lora_id=None,
-        tier="gpu",
-        lora_name=None,
-        extra_keys=None,
-        group_idx=None,
-    )
-
-
 def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, tmp_path):
     engine = Engine(stack["endpoint"], "pod-e2e")
     with sync_playwright() as playwright:
@@ -161,7 +148,7 @@ def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, t
             blocks = row.locator('[data-col="blocks"]')
             expect(blocks).to_have_text("0")
 
-            engine.send([stored(base_capture, 25)])
+            engine.send([stored_event(base_capture)])
             started = time.monotonic()
             expect(blocks).to_have_text("25", timeout=3_000)
             assert time.monotonic() - started < 3.0

@@ -10,12 +10,13 @@ from asgiref.sync import async_to_sync, sync_to_async
 
 from dashboard import sampler as sampler_module
 from dashboard.sampler import FleetSampler
-from ingest.events import BlockRemoved, BlockStored
+from ingest.events import BlockRemoved
 from ingest.management.commands.ingest import Housekeeping
 from scoring.config import ServiceConfig
 from scoring.index import open_index
 from scoring.services import set_index
 from tests.dashboard.conftest import communicator, receive_until, session_cookie
+from tests.events import stored_event
 from tests.ingest.conftest import Harness
 
 ROW_FIELDS = {
@@ -132,20 +133,6 @@ def pipeline(settings, redis_url):
     index.close()
 
 
-def stored(capture: dict, n: int) -> BlockStored:
-    return BlockStored(
-        block_hashes=tuple(capture["block_hashes"][:n]),
-        parent_block_hash=None,
-        token_ids=tuple(capture["token_ids"][: 16 * n]),
-        block_size=16,
-        lora_id=None,
-        tier="gpu",
-        lora_name=None,
-        extra_keys=None,
-        group_idx=None,
-    )
-
-
 def test_frames_follow_events_through_a_real_pipeline(staff_user, pipeline, base_capture):
     harness, housekeeping = pipeline
     cookie = session_cookie(staff_user)
@@ -164,7 +151,7 @@ def test_frames_follow_events_through_a_real_pipeline(staff_user, pipeline, base
         [row] = frame["pods"]
         assert (row["blocks"], row["status"], row["stored_per_s"]) == (0, "live", None)
 
-        pub.send([stored(base_capture, 25)])
+        pub.send([stored_event(base_capture)])
         await sync_to_async(harness.sync)("pod-a")
         started = time.monotonic()
         await sync_to_async(housekeeping.run_once)()  # snapshot 2: rates and an activity entry

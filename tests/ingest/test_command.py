@@ -17,10 +17,11 @@ import pytest
 import redis
 import zmq
 
-from ingest.events import BlockStored, encode_batch, encode_message
+from ingest.events import encode_batch, encode_message
 from ingest.publish import STATS_KEY
 from scoring.index import open_index
 from scoring.keys import block_keys
+from tests.events import stored_event
 from tests.ingest.conftest import MODEL, wait_until
 from tests.servers import free_port
 
@@ -69,17 +70,7 @@ def test_ingest_process_indexes_registers_reports_and_drains(ingest_process, red
     pub.connect(ingest_process.endpoint)
     index = open_index(redis_url)
     client = redis.Redis.from_url(redis_url)
-    event = BlockStored(
-        block_hashes=tuple(base_capture["block_hashes"]),
-        parent_block_hash=None,
-        token_ids=tuple(base_capture["token_ids"]),
-        block_size=16,
-        lora_id=None,
-        tier="gpu",
-        lora_name=None,
-        extra_keys=None,
-        group_idx=None,
-    )
+    event = stored_event(base_capture)
     payload = encode_batch([event], ts=time.time(), layout="map")
     seq = 0
 

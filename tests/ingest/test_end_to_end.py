@@ -14,28 +14,10 @@ import pytest
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_message
 from scoring.keys import block_keys
+from tests.events import stored_event as stored
 from tests.ingest.conftest import MODEL, Harness
 
 SEED = "42"
-
-
-def stored(
-    capture: dict, *, first: int = 0, last: int = 25, parent: int | None = None, **changes
-) -> BlockStored:
-    """A BlockStored event for blocks ``first..last-1`` of a real capture."""
-    fields = dict(
-        block_hashes=tuple(capture["block_hashes"][first:last]),
-        parent_block_hash=parent,
-        token_ids=tuple(capture["token_ids"][first * 16 : last * 16]),
-        block_size=16,
-        lora_id=None,
-        tier="gpu",
-        lora_name=capture["lora_name"],
-        extra_keys=None,
-        group_idx=None,
-    )
-    fields.update(changes)
-    return BlockStored(**fields)
 
 
 def held_blocks(harness: Harness, keys: list[int], pod: str, model: str = MODEL) -> int:
