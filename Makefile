@@ -49,10 +49,11 @@ node-deps:
 	  npm ci --no-audit --no-fund; \
 	fi
 
-test: install system-deps
+# Lint first: a tree that is not ruff-clean fails the suite (it once failed on main).
+test: install system-deps lint
 	$(PY) -m pytest
 
-lint: install
+lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 

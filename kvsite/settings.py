@@ -3,7 +3,7 @@
 | variable | default | meaning |
 |---|---|---|
 | REDIS_URL | redis://127.0.0.1:6379/0 | the shared index and the channel layer |
-| KVCACHE_INDEX_BACKEND | redis | ``redis`` (shared), or ``memory`` / ``memory://?max_bytes=2GiB`` (one process) |
+| KVCACHE_INDEX_BACKEND | redis | ``redis`` (shared), or ``memory`` / ``memory://?max_bytes=2GiB`` |
 | DATABASE_URL | sqlite:///var/db.sqlite3 | pod registry, model configs, hash seed |
 | SECRET_KEY | generated into var/secret_key | Django's signing key |
 | DEBUG | false | Django debug mode |
