@@ -1,4 +1,4 @@
-# The service image: web (daphne) by default; run `python manage.py ingest` from the same image
+# The service image: web (`manage.py serve`: uvicorn, one worker per core) by default; run `python manage.py ingest` from the same image
 # for the event consumer. Needs REDIS_URL (and DATABASE_URL for a shared registry) at run time.
 # Front-end libraries from the npm registry (package-lock.json), as `make node-deps` does.
 FROM node:20-bookworm-slim AS frontend
@@ -26,4 +26,4 @@ RUN mkdir -p "$KVCACHE_VAR_DIR" \
 USER kvcache
 
 EXPOSE 8000 5557
-CMD ["sh", "-c", "python manage.py migrate --noinput && exec daphne -b 0.0.0.0 -p 8000 kvsite.asgi:application"]
+CMD ["sh", "-c", "python manage.py migrate --noinput && exec python manage.py serve --host 0.0.0.0 --port 8000"]

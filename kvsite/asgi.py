@@ -1,9 +1,16 @@
-"""ASGI entry point (daphne): HTTP through Django, websockets through Channels.
+"""ASGI entry point (``manage.py serve``, uvicorn): the scoring fast path, Django, Channels.
 
-Websockets carry the session (``AuthMiddlewareStack``: consumers check the user themselves) and
-must come from one of ``ALLOWED_HOSTS`` (``AllowedHostsOriginValidator``: no cross-site pages).
+* HTTP to the scoring endpoints and ``/healthz`` goes to the fast path
+  (``scoring.fastpath.app``), without Django's request cycle;
+* every other HTTP request goes to Django (admin, registry API, dashboard, docs, metrics);
+* websockets go to Channels: they carry the session (``AuthMiddlewareStack``: consumers check
+  the user themselves) and must come from one of ``ALLOWED_HOSTS``
+  (``AllowedHostsOriginValidator``: no cross-site pages);
+* lifespan: the registry snapshot is loaded at start-up (so the first request does not wait
+  on the database), and the fast path's threads and template sandbox stop at shutdown.
 """
 
+import logging
 import os
 
 from django.core.asgi import get_asgi_application
@@ -17,10 +24,39 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
+from scoring import runtime  # noqa: E402
 
-application = ProtocolTypeRouter(
-    {
-        "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
-    }
-)
+scoring_app = runtime.scoring_app()
+FAST_PATHS = frozenset(scoring_app.PATHS)
+
+websockets = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
+protocols = ProtocolTypeRouter({"http": django_asgi_app, "websocket": websockets})
+
+
+async def application(scope, receive, send):
+    """Routes each connection (see the module docstring)."""
+    kind = scope["type"]
+    if kind == "http" and scope["path"] in FAST_PATHS:
+        await scoring_app(scope, receive, send)
+    elif kind == "lifespan":
+        await lifespan(receive, send)
+    else:
+        await protocols(scope, receive, send)
+
+
+async def lifespan(receive, send):
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                await runtime.config_source.aget()
+            except Exception as error:  # no database yet: the first request loads it
+                await send({"type": "lifespan.startup.complete"})
+                logging.getLogger(__name__).warning("registry snapshot not loaded at start-up: %s", error)
+                continue
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            scoring_app.close()
+            runtime.close_sandbox()
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -15,6 +15,11 @@
 | KVCACHE_TOKENIZERS_DIR | "" (none) | tokenizer discovery root (HF-cache or ``org/name/`` layout) |
 | KVCACHE_ALLOW_HUB | false | download tokenizers from the model hub when no local source has one |
 | KVCACHE_PREFIX_STORE_CAPACITY | 500000 | prompt chunks the tokenization prefix store keeps (0 disables it) |
+| KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
+| KVCACHE_REQUEST_TEMPLATES | true | accept ``chat_template`` in scoring requests (rendered in a sandbox) |
+| KVCACHE_TEMPLATE_CPU_MS | 250 | CPU time a request's chat template may use (over it: 422) |
+| KVCACHE_TEMPLATE_MAX_OUTPUT_CHARS | 4194304 | longest text a chat template may render (over it: 422) |
+| KVCACHE_TEMPLATE_PROCESSES | 1 | sandbox processes per web worker for request templates |
 | KVCACHE_STATS_GROUP | kvcache-ingest-stats | channel-layer group ingest sends its stats to each second |
 | DASHBOARD_PUSH_SECONDS | 1.0 | how often an open dashboard gets fresh numbers over its websocket |
 | DASHBOARD_HISTORY_SECONDS | 600 | how far back dashboard charts go (kept in each web process's memory) |
@@ -167,14 +172,38 @@ KVCACHE_TOKENIZERS_DIR = os.environ.get("KVCACHE_TOKENIZERS_DIR", "")
 KVCACHE_ALLOW_HUB = env_bool("KVCACHE_ALLOW_HUB")
 KVCACHE_PREFIX_STORE_CAPACITY = int(os.environ.get("KVCACHE_PREFIX_STORE_CAPACITY", "500000"))
 
+# --- abuse limits of the DRF API (scoring/api/auth.py, scoring/api/codecs.py) ----------------------
+# A client with KVCACHE_AUTH_FAILURES failed HTTP basic logins within KVCACHE_AUTH_FAILURE_WINDOW_SECONDS
+# of its first one is answered 429 (no password checked) until that window ends. Counted in REDIS_URL
+# (shared by every process), in each process while it does not answer.
+KVCACHE_AUTH_FAILURES = int(os.environ.get("KVCACHE_AUTH_FAILURES", "5"))
+KVCACHE_AUTH_FAILURE_WINDOW_SECONDS = float(os.environ.get("KVCACHE_AUTH_FAILURE_WINDOW_SECONDS", "60"))
+# Comma-separated addresses or networks (10.0.0.0/8) of reverse proxies: a request from one is
+# counted against the client its X-Forwarded-For names. Empty: X-Forwarded-For is ignored.
+KVCACHE_TRUSTED_PROXIES = env_list("KVCACHE_TRUSTED_PROXIES")
+# Deepest nesting of arrays and objects in a request body (deeper: 400 invalid_json). The parsers
+# stop at about 1000 levels whatever this says.
+KVCACHE_MAX_JSON_DEPTH = int(os.environ.get("KVCACHE_MAX_JSON_DEPTH", "64"))
+
+# --- bounded work per scoring request (the fast path: scoring/fastpath/app.py) ---------------------
+KVCACHE_SCORING_THREADS = int(os.environ.get("KVCACHE_SCORING_THREADS", "8"))
+KVCACHE_REQUEST_TEMPLATES = env_bool("KVCACHE_REQUEST_TEMPLATES", True)
+KVCACHE_TEMPLATE_CPU_MS = float(os.environ.get("KVCACHE_TEMPLATE_CPU_MS", "250"))
+KVCACHE_TEMPLATE_MAX_OUTPUT_CHARS = int(
+    os.environ.get("KVCACHE_TEMPLATE_MAX_OUTPUT_CHARS", str(4 * 1024 * 1024))
+)
+KVCACHE_TEMPLATE_PROCESSES = int(os.environ.get("KVCACHE_TEMPLATE_PROCESSES", "1"))
+
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # Safe defaults: a view that says nothing is for staff only. Scoring views open themselves up
     # (API keys, when configured); see scoring/api/auth.py.
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.BasicAuthentication",
+        "scoring.api.auth.ThrottledBasicAuthentication",
     ],
+    # JSON only (no view takes forms or files), size- and depth-limited: see scoring/api/codecs.py.
+    "DEFAULT_PARSER_CLASSES": ["scoring.api.codecs.BoundedJSONParser"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
     "EXCEPTION_HANDLER": "scoring.api.errors.exception_handler",
 }
@@ -194,6 +223,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # The fast path's endpoints (not Django views) are added to the schema here.
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "scoring.api.openapi.add_fast_path",
+    ],
 }
 
 LOGGING = {

@@ -6,7 +6,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.http import HttpRequest
 
-from scoring import services
+from scoring import runtime, services
 from scoring.index.base import IndexUnavailable
 from scoring.models import HashSeed, ModelConfig, Pod
 
@@ -62,7 +62,7 @@ class PodAdmin(admin.ModelAdmin):
 def _live_blocks() -> dict[str, dict[str, int]] | None:
     """pod -> tier -> blocks, from the index (None when it is unreachable)."""
     try:
-        rows = services.get_index().pod_blocks()
+        rows = runtime.get_index().pod_blocks()
     except IndexUnavailable:
         return None
     out: dict[str, dict[str, int]] = {}

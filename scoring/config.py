@@ -14,6 +14,14 @@ from types import MappingProxyType
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu": 0.8})
 DEFAULT_OTHER_TIER_WEIGHT = 0.5
 
+DP_RANK_SEPARATOR = "#dp"
+"""Data-parallel rank r > 0 of pod P is indexed as ``P#dp<r>`` (``ingest.applier.holder_id``)."""
+
+
+def owner_pod(holder: str) -> str:
+    """The pod an index holder belongs to: ``pod#dp<r>`` (a data-parallel rank) -> ``pod``."""
+    return holder.partition(DP_RANK_SEPARATOR)[0]
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
@@ -26,6 +34,9 @@ class ModelSettings:
     tier_weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     other_tier_weight: float = DEFAULT_OTHER_TIER_WEIGHT
     lora_adapters: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    """The model's context length in tokens (vLLM's ``--max-model-len``); ``None``: the tokenizer
+    config's ``model_max_length``, if it has one."""
 
     def tier_weight(self, tier: str) -> float:
         return self.tier_weights.get(tier, self.other_tier_weight)
@@ -33,12 +44,14 @@ class ModelSettings:
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
-    """A consistent snapshot of the registry: the hash seed, per-model settings, disabled pods."""
+    """A consistent snapshot of the registry: the hash seed, per-model settings, disabled pods
+    and the pods' addresses (``pod -> host:port``, only pods that have one)."""
 
     seed: str = ""
     default_block_size: int = 16
     models: Mapping[str, ModelSettings] = field(default_factory=dict)
     disabled_pods: frozenset[str] = frozenset()
+    pod_addresses: Mapping[str, str] = field(default_factory=dict)
 
     def model(self, name: str) -> ModelSettings:
         """Settings of ``name``; a model without a config gets the defaults."""
@@ -46,3 +59,7 @@ class ServiceConfig:
         if found is not None:
             return found
         return ModelSettings(name=name, block_size=self.default_block_size)
+
+    def address_of(self, holder: str) -> str | None:
+        """Where the pod behind an index holder serves HTTP (``pod#dp<r>`` -> ``pod``'s address)."""
+        return self.pod_addresses.get(owner_pod(holder))

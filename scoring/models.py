@@ -68,6 +68,13 @@ class ModelConfig(models.Model):
         validators=[validate_string_list],
         help_text="LoRA adapters served under it.",
     )
+    max_model_len = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Context length in tokens (vLLM's --max-model-len); longer prompts are refused. "
+        "Empty: the tokenizer config's model_max_length.",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -35,9 +35,9 @@ import time
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import xxhash
 
@@ -59,6 +59,9 @@ assert array(_TOKEN).itemsize == 4
 _LEAD_BYTES = bytes(b for b in range(256) if not 0x80 <= b < 0xC0)
 # How far back from a chunk's end to look for non-space text before giving up on a cut there.
 _CUT_WINDOW_CHARS = 128
+
+
+_Sized = TypeVar("_Sized", bound=Sized)
 
 
 class Encoding(Protocol):
@@ -122,13 +125,17 @@ class PrefixStore:
         with self._lock:
             self._chunks.clear()
 
-    def tokenize(self, tokenizer: StoreTokenizer, prompt: str) -> Tokenization:
+    def tokenize(
+        self, tokenizer: StoreTokenizer, prompt: str, *, max_tokens: int | None = None
+    ) -> Tokenization:
         """Tokenize ``prompt``, reusing cached chunks when they cover enough of it.
 
         Guarantees: the ids are those of ``tokenizer.encode(prompt)`` whenever the prompt's cached
         prefix was tokenized consistently with it (see the module docstring); the full prompt is
         always represented, never only its cached part. Raises ``ValueError`` for a prompt that is
-        not valid Unicode (a lone surrogate, which JSON can carry).
+        not valid Unicode (a lone surrogate, which JSON can carry), and ``TooManyTokens`` for one
+        of more than ``max_tokens`` tokens (checked before the store does any work on it, so an
+        oversized prompt costs the tokenizer's time only).
         """
         started = time.perf_counter()
         try:
@@ -139,7 +146,7 @@ class PrefixStore:
             ) from error
         n_chunks = len(data) // self.chunk_bytes
         if self.capacity == 0 or n_chunks == 0 or not tokenizer.supports_prefix_reuse:
-            ids = tokenizer.encode(prompt).ids
+            ids = _within(tokenizer.encode(prompt), max_tokens).ids
             return Tokenization(ids, from_prefix_store=False, elapsed=time.perf_counter() - started)
         hashes = self._chain(_seed(tokenizer.key), data, n_chunks)
         matched = self._match(hashes)
@@ -147,9 +154,10 @@ class PrefixStore:
             reused = self._reuse(tokenizer, prompt, data, hashes, matched)
             if reused is not None:
                 ids, n_reused = reused
+                _within(ids, max_tokens)
                 elapsed = time.perf_counter() - started
                 return Tokenization(ids, from_prefix_store=True, reused_tokens=n_reused, elapsed=elapsed)
-        encoding = tokenizer.encode(prompt)
+        encoding = _within(tokenizer.encode(prompt), max_tokens)
         ids = encoding.ids
         entries = self._entries(
             prompt=prompt,
@@ -288,6 +296,21 @@ class PrefixStore:
 
 
 @functools.lru_cache(maxsize=256)
+class TooManyTokens(ValueError):
+    """A prompt longer than the caller's limit (the model's context length)."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        self.count = count
+        self.limit = limit
+        super().__init__(f"the prompt has {count} tokens, more than the model's context length of {limit}")
+
+
+def _within(tokens: _Sized, max_tokens: int | None) -> _Sized:
+    if max_tokens is not None and len(tokens) > max_tokens:
+        raise TooManyTokens(len(tokens), max_tokens)
+    return tokens
+
+
 def _seed(tokenizer_key: str) -> int:
     return xxhash.xxh64_intdigest(tokenizer_key.encode("utf-8"))
 

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from scoring.chat import ChatTemplateError, render_chat
-from scoring.config import ModelSettings, ServiceConfig
+from scoring.config import ModelSettings, ServiceConfig, owner_pod
 from scoring.index import HolderMap, KVIndex
-from scoring.keys import block_keys
+from scoring.keys import BlockKey, block_keys
+from scoring.sandbox import TemplateSandbox
 from scoring.scorer import PodScore, longest_prefix_scores
-from scoring.tokenization import Tokenization, TokenizerRegistry
+from scoring.tokenization import Tokenization, TokenizerError, TokenizerRegistry, TooManyTokens
 
 __all__ = [
     "ChatRequest",
@@ -42,9 +43,6 @@ __all__ = [
     "score_prompt",
     "score_token_ids",
 ]
-
-DP_RANK_SEPARATOR = "#dp"
-"""Data-parallel rank r > 0 of pod P is indexed as ``P#dp<r>`` (``ingest.applier.holder_id``)."""
 
 
 class InvalidInput(ValueError):
@@ -119,6 +117,109 @@ class ScoreResult:
     templated: str | None = None
 
 
+@dataclass(slots=True)
+class KeyedRequest:
+    """A request made ready for the index: its block keys (steps 1-3), the pods it asks about
+    (``None``: every pod; disabled pods already taken out) and what its earlier steps produced."""
+
+    model: str
+    token_count: int
+    keys: list[BlockKey]
+    wanted: frozenset[str] | None
+    timings: Timings
+    tokenization: Tokenization | None = None
+    templated: str | None = None
+
+    @property
+    def needs_lookup(self) -> bool:
+        """False when nothing can match: no full block, or every asked pod is disabled."""
+        return bool(self.keys) and (self.wanted is None or bool(self.wanted))
+
+
+def key_token_ids(
+    *,
+    config: ServiceConfig,
+    model: str,
+    token_ids: Sequence[int],
+    lora_name: str | None = None,
+    pods: Collection[str] | None = None,
+    timings: Timings | None = None,
+    max_tokens: int | None = None,
+) -> KeyedRequest:
+    """Steps 3 and the pod filter: keys computed with ``config.seed``, the model's block size and
+    ``lora_name`` exactly as a ``sha256_cbor`` engine computes them.
+
+    Raises ``InvalidInput`` for a token id outside 0..2**64-1, or more token ids than the model's
+    context length (``max_tokens``, else the model config's ``max_model_len``)."""
+    timings = timings if timings is not None else Timings()
+    settings = config.model(model)
+    limit = settings.max_model_len or max_tokens
+    if limit is not None and len(token_ids) > limit:
+        raise InvalidInput("token_ids", str(TooManyTokens(len(token_ids), limit)))
+    started = time.perf_counter()
+    try:
+        keys = block_keys(token_ids, seed=config.seed, block_size=settings.block_size, lora_name=lora_name)
+    except ValueError as error:
+        raise InvalidInput("token_ids", str(error)) from error
+    timings.keys = time.perf_counter() - started
+    disabled = config.disabled_pods
+    wanted = None if pods is None else frozenset(p for p in pods if not _is_disabled(p, disabled))
+    return KeyedRequest(model=model, token_count=len(token_ids), keys=keys, wanted=wanted, timings=timings)
+
+
+def finish(keyed: KeyedRequest, holders: list[HolderMap], *, config: ServiceConfig) -> ScoreResult:
+    """Step 5: the scores of ``holders`` (the index's answer for ``keyed``), disabled pods out."""
+    started = time.perf_counter()
+    hits = len(holders)
+    if config.disabled_pods and holders:
+        holders = _without_disabled(holders, config.disabled_pods)
+    settings = config.model(keyed.model)
+    scores = longest_prefix_scores(holders, total_blocks=len(keyed.keys), tier_weight=settings.tier_weight)
+    keyed.timings.score = time.perf_counter() - started
+    return ScoreResult(
+        model=keyed.model,
+        token_count=keyed.token_count,
+        total_blocks=len(keyed.keys),
+        scores=scores,
+        timings=keyed.timings,
+        looked_up=keyed.needs_lookup,
+        lookup_hits=hits,
+        tokenization=keyed.tokenization,
+        templated=keyed.templated,
+    )
+
+
+def look_up(index: KVIndex, keyed: KeyedRequest, *, config: ServiceConfig) -> ScoreResult:
+    """Step 4 then 5 for one request: at most one index round trip."""
+    started = time.perf_counter()
+    holders = (
+        index.lookup(model=keyed.model, keys=keyed.keys, pods=keyed.wanted) if keyed.needs_lookup else []
+    )
+    keyed.timings.lookup = time.perf_counter() - started
+    return finish(keyed, holders, config=config)
+
+
+def look_up_many(
+    index: KVIndex, requests: Sequence[KeyedRequest], *, config: ServiceConfig
+) -> list[ScoreResult]:
+    """Steps 4 and 5 for several requests: one index round trip per distinct model."""
+    holders: list[list[HolderMap]] = [[] for _ in requests]
+    by_model: dict[str, list[int]] = {}
+    for i, keyed in enumerate(requests):
+        if keyed.needs_lookup:
+            by_model.setdefault(keyed.model, []).append(i)
+    for model, positions in by_model.items():
+        started = time.perf_counter()
+        answers = index.lookup_many(
+            model=model, queries=[(requests[i].keys, requests[i].wanted) for i in positions]
+        )
+        elapsed = time.perf_counter() - started
+        for i, answer in zip(positions, answers, strict=True):
+            holders[i] = answer
+            requests[i].timings.lookup = elapsed
+    return [finish(keyed, found, config=config) for keyed, found in zip(requests, holders, strict=True)]
+
+
 def score_token_ids(
     *,
     index: KVIndex,
@@ -127,76 +228,40 @@ def score_token_ids(
     token_ids: Sequence[int],
     lora_name: str | None = None,
     pods: Collection[str] | None = None,
-    timings: Timings | None = None,
+    max_tokens: int | None = None,
 ) -> ScoreResult:
     """Scores for a prompt given as token ids (steps 3-5).
 
-    Guarantees: keys are computed with ``config.seed``, the model's block size and ``lora_name``
-    exactly as a ``sha256_cbor`` engine computes them; only pods in ``pods`` (all when ``None``)
-    and never a disabled pod (or one of its data-parallel ranks) appear in the result; one index
-    round trip at most (none when the prompt has no full block).
-
-    Raises ``InvalidInput`` for a token id outside 0..2**64-1 and ``IndexUnavailable`` when the
-    index cannot be reached.
+    Guarantees: only pods in ``pods`` (all when ``None``) and never a disabled pod (or one of its
+    data-parallel ranks) appear in the result; one index round trip at most (none when the prompt
+    has no full block). Raises what ``key_token_ids`` raises and ``IndexUnavailable``.
     """
-    timings = timings if timings is not None else Timings()
-    settings = config.model(model)
-    started = time.perf_counter()
-    try:
-        keys = block_keys(token_ids, seed=config.seed, block_size=settings.block_size, lora_name=lora_name)
-    except ValueError as error:
-        raise InvalidInput("token_ids", str(error)) from error
-    keyed = time.perf_counter()
-    timings.keys = keyed - started
-
-    disabled = config.disabled_pods
-    wanted = None if pods is None else frozenset(p for p in pods if not _is_disabled(p, disabled))
-    holders: list[HolderMap] = []
-    looked_up = bool(keys) and (wanted is None or bool(wanted))
-    if looked_up:
-        holders = index.lookup(model=model, keys=keys, pods=wanted)
-    hits = len(holders)
-    if disabled and holders:
-        holders = _without_disabled(holders, disabled)
-    scoring = time.perf_counter()
-    timings.lookup = scoring - keyed
-
-    scores = longest_prefix_scores(holders, total_blocks=len(keys), tier_weight=settings.tier_weight)
-    timings.score = time.perf_counter() - scoring
-    return ScoreResult(
-        model=model,
-        token_count=len(token_ids),
-        total_blocks=len(keys),
-        scores=scores,
-        timings=timings,
-        looked_up=looked_up,
-        lookup_hits=hits,
+    keyed = key_token_ids(
+        config=config, model=model, token_ids=token_ids, lora_name=lora_name, pods=pods, max_tokens=max_tokens
     )
+    return look_up(index, keyed, config=config)
 
 
-def score_prompt(
+def key_prompt(
     *,
-    index: KVIndex,
     tokenizers: TokenizerRegistry,
     config: ServiceConfig,
     model: str,
     prompt: str,
     lora_name: str | None = None,
     pods: Collection[str] | None = None,
-) -> ScoreResult:
-    """Scores for a completion prompt: tokenized with the model's tokenizer (no special tokens
-    added, as vLLM's completions endpoint does for the prompt text), then ``score_token_ids``.
+) -> KeyedRequest:
+    """Steps 2-3 for a completion prompt: tokenized with the model's tokenizer (no special tokens
+    added, as vLLM's completions endpoint does for the prompt text), then keyed.
 
     Raises ``TokenizerNotFound`` (no tokenizer for ``model``; answered at once, never retried),
-    ``TokenizerLoadError``, ``InvalidInput`` (text that is not valid Unicode) and
-    ``IndexUnavailable``.
-    """
+    ``TokenizerLoadError``, ``InvalidInput`` (text that is not valid Unicode, or longer than the
+    model's context length)."""
     timings = Timings()
     started = time.perf_counter()
-    tokenization = _tokenize(tokenizers, model, prompt, field="prompt")
+    tokenization = _tokenize(tokenizers, config, model, prompt, field="prompt")
     timings.tokenize = time.perf_counter() - started  # a first use's tokenizer load included
-    result = score_token_ids(
-        index=index,
+    keyed = key_token_ids(
         config=config,
         model=model,
         token_ids=tokenization.token_ids,
@@ -204,26 +269,33 @@ def score_prompt(
         pods=pods,
         timings=timings,
     )
-    return replace(result, tokenization=tokenization)
+    keyed.tokenization = tokenization
+    return keyed
 
 
-def score_chat(
+def score_prompt(*, index: KVIndex, **request: Any) -> ScoreResult:
+    """``key_prompt`` then the index: scores for a completion prompt."""
+    keyed = key_prompt(**request)
+    return look_up(index, keyed, config=request["config"])
+
+
+def key_chat(
     *,
-    index: KVIndex,
     tokenizers: TokenizerRegistry,
     config: ServiceConfig,
     model: str,
     chat: ChatRequest,
     lora_name: str | None = None,
     pods: Collection[str] | None = None,
-) -> ScoreResult:
-    """Scores for a conversation: rendered with the request's template, else the model config's,
-    else the tokenizer's own (``render_chat``), then scored as ``score_prompt`` scores text.
-    ``templated`` in the result is the rendered prompt.
+    sandbox: TemplateSandbox | None = None,
+    allow_request_templates: bool = True,
+) -> KeyedRequest:
+    """Steps 1-3 for a conversation: rendered with the request's template (in ``sandbox`` when
+    given), else the model config's, else the tokenizer's own (``render_chat``), then tokenized
+    and keyed as ``key_prompt`` does; ``templated`` is the rendered prompt.
 
-    Raises what ``score_prompt`` raises, and ``ChatTemplateError`` for a conversation or options
-    the template cannot render (the message says what to fix).
-    """
+    Raises what ``key_prompt`` raises, and ``ChatTemplateError`` for a conversation or options
+    the template cannot render (the message says what to fix)."""
     timings = Timings()
     settings: ModelSettings = config.model(model)
     template = chat.chat_template if chat.chat_template is not None else settings.chat_template or None
@@ -238,13 +310,14 @@ def score_chat(
         add_generation_prompt=chat.add_generation_prompt,
         continue_final_message=chat.continue_final_message,
         chat_template_kwargs=chat.chat_template_kwargs,
+        sandbox=sandbox,
+        allow_request_templates=allow_request_templates or chat.chat_template is None,
     )
     rendered_at = time.perf_counter()
     timings.render = rendered_at - started  # a first use's tokenizer load included
-    tokenization = _tokenize(tokenizers, model, rendered.text, field="messages")
+    tokenization = _tokenize(tokenizers, config, model, rendered.text, field="messages")
     timings.tokenize = time.perf_counter() - rendered_at
-    result = score_token_ids(
-        index=index,
+    keyed = key_token_ids(
         config=config,
         model=model,
         token_ids=tokenization.token_ids,
@@ -252,21 +325,41 @@ def score_chat(
         pods=pods,
         timings=timings,
     )
-    return replace(result, tokenization=tokenization, templated=rendered.text)
+    keyed.tokenization = tokenization
+    keyed.templated = rendered.text
+    return keyed
 
 
-def _tokenize(tokenizers: TokenizerRegistry, model: str, text: str, *, field: str) -> Tokenization:
+def score_chat(*, index: KVIndex, **request: Any) -> ScoreResult:
+    """``key_chat`` then the index: scores for a conversation."""
+    keyed = key_chat(**request)
+    return look_up(index, keyed, config=request["config"])
+
+
+def context_length(tokenizers: TokenizerRegistry, config: ServiceConfig, model: str) -> int | None:
+    """The model's context length in tokens: its config's ``max_model_len``, else its tokenizer
+    config's ``model_max_length`` (``None`` when neither says, or the model has no tokenizer)."""
+    configured = config.model(model).max_model_len
+    if configured is not None:
+        return configured
     try:
-        return tokenizers.tokenize(model, text)
-    except ValueError as error:  # the prefix store's "not valid Unicode" (a lone surrogate)
+        return tokenizers.get(model).model_max_length
+    except TokenizerError:
+        return None
+
+
+def _tokenize(
+    tokenizers: TokenizerRegistry, config: ServiceConfig, model: str, text: str, *, field: str
+) -> Tokenization:
+    limit = context_length(tokenizers, config, model)
+    try:
+        return tokenizers.tokenize(model, text, max_tokens=limit)
+    except ValueError as error:  # not valid Unicode (a lone surrogate), or over the context length
         raise InvalidInput(field, str(error)) from error
 
 
 def _is_disabled(holder: str, disabled: frozenset[str]) -> bool:
-    if holder in disabled:
-        return True
-    pod, separator, _ = holder.partition(DP_RANK_SEPARATOR)
-    return bool(separator) and pod in disabled
+    return holder in disabled or owner_pod(holder) in disabled
 
 
 def _without_disabled(holders: list[HolderMap], disabled: frozenset[str]) -> list[HolderMap]:

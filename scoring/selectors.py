@@ -1,24 +1,19 @@
-"""Reads: the registry as a ``ServiceConfig`` snapshot, refreshed so admin edits reach every
-running process within seconds."""
+"""Reads: the registry as a ``ServiceConfig`` snapshot (``scoring.runtime`` keeps it fresh), and
+the live state beside it (block counts in the index, the ingest processes' stream stats)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
 from django.conf import settings
 
-from ingest.publish import read_snapshots
-from scoring.config import DEFAULT_OTHER_TIER_WEIGHT, ModelSettings, ServiceConfig
-from scoring.index import IndexUnavailable
+from scoring.config import DEFAULT_OTHER_TIER_WEIGHT, ModelSettings, ServiceConfig, owner_pod
+from scoring.index import IndexUnavailable, KVIndex
 from scoring.models import HashSeed, ModelConfig, Pod
-from scoring.read_path import DP_RANK_SEPARATOR
-
-CONFIG_REFRESH_SECONDS = 2.0
-"""How stale a process's view of the registry may be (the promise is: live within 5 s)."""
+from scoring.streams import read_snapshots
 
 
 def load_service_config() -> ServiceConfig:
@@ -36,45 +31,23 @@ def load_service_config() -> ServiceConfig:
             if m.other_tier_weight is not None
             else DEFAULT_OTHER_TIER_WEIGHT,
             lora_adapters=tuple(m.lora_adapters or ()),
+            max_model_len=m.max_model_len,
         )
         for m in ModelConfig.objects.all()
     }
-    disabled = frozenset(Pod.objects.filter(enabled=False).values_list("pod_id", flat=True))
+    disabled, addresses = set(), {}
+    for pod_id, enabled, address in Pod.objects.values_list("pod_id", "enabled", "address"):
+        if not enabled:
+            disabled.add(pod_id)
+        if address:
+            addresses[pod_id] = address
     return ServiceConfig(
-        seed=seed, default_block_size=settings.KVCACHE_BLOCK_SIZE, models=models, disabled_pods=disabled
+        seed=seed,
+        default_block_size=settings.KVCACHE_BLOCK_SIZE,
+        models=models,
+        disabled_pods=frozenset(disabled),
+        pod_addresses=addresses,
     )
-
-
-class _ConfigCache:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._value: ServiceConfig | None = None
-        self._loaded_at = 0.0
-
-    def get(self) -> ServiceConfig:
-        value = self._value
-        if value is not None and time.monotonic() - self._loaded_at < CONFIG_REFRESH_SECONDS:
-            return value
-        with self._lock:
-            if self._value is None or time.monotonic() - self._loaded_at >= CONFIG_REFRESH_SECONDS:
-                self._value = load_service_config()
-                self._loaded_at = time.monotonic()
-            return self._value
-
-    def invalidate(self) -> None:
-        self._loaded_at = 0.0
-
-
-_config_cache = _ConfigCache()
-
-
-def service_config() -> ServiceConfig:
-    """The registry snapshot of this process, at most ``CONFIG_REFRESH_SECONDS`` old."""
-    return _config_cache.get()
-
-
-def invalidate_service_config() -> None:
-    _config_cache.invalidate()
 
 
 # --- live state beside the registry: the index's block counts, the ingest processes' stats ---
@@ -161,18 +134,11 @@ def merge_unattributed_errors(snapshots: Iterable[dict]) -> dict[str, int]:
     return total
 
 
-def owner_pod(holder: str) -> str:
-    """The pod an index holder belongs to: ``pod#dp<r>`` (a data-parallel rank) -> ``pod``."""
-    return holder.partition(DP_RANK_SEPARATOR)[0]
-
-
-def live_blocks_by_pod() -> dict[str, dict[str, int]]:
+def live_blocks_by_pod(index: KVIndex) -> dict[str, dict[str, int]]:
     """pod -> tier -> blocks held, from the index, summed over models and data-parallel ranks.
     Raises ``IndexUnavailable`` when the index cannot be reached."""
-    from scoring.services import get_index  # services imports this module
-
     out: dict[str, dict[str, int]] = {}
-    for row in get_index().pod_blocks():
+    for row in index.pod_blocks():
         tiers = out.setdefault(owner_pod(row.pod), {})
         for tier, n in row.blocks_by_tier.items():
             tiers[tier] = tiers.get(tier, 0) + n
@@ -190,11 +156,12 @@ class PodState:
     streams: list[dict] | None
 
 
-def pod_states(pods: Iterable[Pod] | None = None) -> list[PodState]:
-    """``pods`` (default: the whole registry, by pod id) with live block counts and stream stats."""
+def pod_states(index: KVIndex, pods: Iterable[Pod] | None = None) -> list[PodState]:
+    """``pods`` (default: the whole registry, by pod id) with live block counts from ``index`` and
+    stream stats."""
     rows = list(Pod.objects.all() if pods is None else pods)
     try:
-        blocks: dict[str, dict[str, int]] | None = live_blocks_by_pod()
+        blocks: dict[str, dict[str, int]] | None = live_blocks_by_pod(index)
     except IndexUnavailable:
         blocks = None
     snapshots = ingest_snapshots()

@@ -1,54 +1,15 @@
-"""Writes to the registry and the process's handle on the index."""
+"""Writes to the registry, with their effects on the index (``scoring.runtime`` has the handles)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
 
-from scoring.config import ServiceConfig
-from scoring.index import KVIndex, open_index
 from scoring.models import HashSeed, ModelConfig, Pod
-from scoring.prefix_store import PrefixStore
-from scoring.selectors import invalidate_service_config, service_config
-from scoring.tokenization import TokenizerRegistry
-
-_index: KVIndex | None = None
-_index_lock = threading.Lock()
-
-
-def index_url() -> str:
-    """The index this process opens: ``redis`` -> ``REDIS_URL``; ``memory`` or a
-    ``memory://?max_keys=..&max_bytes=2GiB`` URL -> an in-process index with those bounds."""
-    backend = settings.KVCACHE_INDEX_BACKEND
-    if backend == "memory":
-        return "memory://"
-    if backend.startswith("memory://"):
-        return backend
-    if backend == "redis":
-        return settings.REDIS_URL
-    raise ValueError(f"KVCACHE_INDEX_BACKEND must be 'redis', 'memory' or a memory:// URL, not {backend!r}")
-
-
-def get_index() -> KVIndex:
-    """This process's index (one per process; backends are thread-safe)."""
-    global _index
-    if _index is None:
-        with _index_lock:
-            if _index is None:
-                _index = open_index(index_url())
-    return _index
-
-
-def set_index(index: KVIndex | None) -> None:
-    """Replace this process's index (tests, and ``ingest`` sharing its in-memory index)."""
-    global _index
-    with _index_lock:
-        _index = index
+from scoring.runtime import get_index, invalidate_service_config
 
 
 def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
@@ -148,55 +109,3 @@ def set_hash_seed(value: str) -> HashSeed:
             index.clear_model(model=model)
     invalidate_service_config()
     return seed
-
-
-_tokenizers: TokenizerRegistry | None = None
-_tokenizers_lock = threading.Lock()
-_tokenizers_checked: ServiceConfig | None = None  # the registry snapshot last compared against
-_tokenizer_sources: dict[str, str] | None = None  # model -> tokenizer source the registry was built for
-
-
-def get_tokenizers() -> TokenizerRegistry:
-    """This process's tokenizer registry (one per process: loaded tokenizers and the prefix store
-    are shared by every request), configured from ``KVCACHE_TOKENIZERS_DIR``,
-    ``KVCACHE_ALLOW_HUB`` and ``KVCACHE_PREFIX_STORE_CAPACITY``.
-
-    A model's tokenizer source comes from its model config. The registry keeps a model's
-    tokenizer once loaded, so when any model's source changes it is rebuilt, within a config
-    refresh: every tokenizer loads again on next use; the prefix store is kept (its chunks are
-    keyed by tokenizer file, so none can be reused for the wrong tokenizer)."""
-    global _tokenizers, _tokenizers_checked, _tokenizer_sources
-    config = service_config()
-    registry = _tokenizers
-    if registry is not None and config is _tokenizers_checked:
-        return registry  # the common case: nothing changed since the last request
-    with _tokenizers_lock:
-        sources = {name: m.tokenizer_source for name, m in config.models.items() if m.tokenizer_source}
-        if _tokenizers is None:
-            _tokenizers = build_tokenizers()
-        elif _tokenizer_sources is not None and sources != _tokenizer_sources:
-            _tokenizers = build_tokenizers(prefix_store=_tokenizers.prefix_store)
-        _tokenizer_sources, _tokenizers_checked = sources, config
-        return _tokenizers
-
-
-def build_tokenizers(*, prefix_store: PrefixStore | None = None) -> TokenizerRegistry:
-    """A new tokenizer registry configured from the settings (``get_tokenizers`` keeps one),
-    with ``prefix_store`` or a new one."""
-    directory = settings.KVCACHE_TOKENIZERS_DIR
-    if prefix_store is None:
-        prefix_store = PrefixStore(capacity=settings.KVCACHE_PREFIX_STORE_CAPACITY)
-    return TokenizerRegistry(
-        tokenizers_dir=Path(directory) if directory else None,
-        model_sources=lambda model: service_config().model(model).tokenizer_source or None,
-        allow_hub=settings.KVCACHE_ALLOW_HUB,
-        prefix_store=prefix_store,
-    )
-
-
-def set_tokenizers(registry: TokenizerRegistry | None) -> None:
-    """Replace this process's tokenizer registry (tests; ``None`` builds a new one on next use).
-    The registry given is taken as built for the model configs as they are now."""
-    global _tokenizers, _tokenizers_checked, _tokenizer_sources
-    with _tokenizers_lock:
-        _tokenizers, _tokenizers_checked, _tokenizer_sources = registry, None, None

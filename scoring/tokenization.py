@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 from tokenizers import Encoding, Tokenizer
 
 from scoring.chat import ChatTemplates
-from scoring.prefix_store import PrefixStore, Tokenization
+from scoring.prefix_store import PrefixStore, Tokenization, TooManyTokens
 
 __all__ = [
     "LoadedTokenizer",
@@ -48,6 +49,7 @@ __all__ = [
     "TokenizerLoadError",
     "TokenizerNotFound",
     "TokenizerRegistry",
+    "TooManyTokens",
 ]
 
 DEFAULT_CACHE_SIZE = 20
@@ -112,14 +114,18 @@ class LoadedTokenizer:
     chat_templates: ChatTemplates = field(repr=False)
     seam_chars: int
     supports_prefix_reuse: bool
+    model_max_length: int | None = None  # tokenizer_config.json's, when it states a real one
 
     @property
     def key(self) -> str:
         return str(self.path)
 
     def encode(self, text: str) -> Encoding:
-        """Tokenize ``text`` without adding special tokens (special-token text in it still counts)."""
-        return self.backend.encode(text, add_special_tokens=False)
+        """Tokenize ``text`` without adding special tokens (special-token text in it still counts).
+
+        Through ``encode_batch``, which releases the GIL while it works (``encode`` holds it: a
+        1 MB prompt would stop every other thread of the process for a second) and costs the same."""
+        return self.backend.encode_batch([text], add_special_tokens=False)[0]
 
 
 @dataclass(frozen=True)
@@ -170,10 +176,11 @@ class TokenizerRegistry:
         self._hub_attempts: OrderedDict[str, tuple[float, Future[Path]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def tokenize(self, model: str, prompt: str) -> Tokenization:
+    def tokenize(self, model: str, prompt: str, *, max_tokens: int | None = None) -> Tokenization:
         """The prompt's token ids for ``model`` (no special tokens added), via the prefix store.
-        Raises :class:`TokenizerError` when the model has no usable tokenizer."""
-        return self.prefix_store.tokenize(self.get(model), prompt)
+        Raises :class:`TokenizerError` when the model has no usable tokenizer, and
+        ``TooManyTokens`` for a prompt longer than ``max_tokens``."""
+        return self.prefix_store.tokenize(self.get(model), prompt, max_tokens=max_tokens)
 
     def get(self, model: str) -> LoadedTokenizer:
         """The model's tokenizer, loading it on first use. Concurrent first uses load it once."""
@@ -218,12 +225,14 @@ class TokenizerRegistry:
             if shared is not None:
                 backend, templates = shared.backend, shared.chat_templates
                 seam_chars, reuse = shared.seam_chars, shared.supports_prefix_reuse
+                max_length = shared.model_max_length
             else:
                 backend = Tokenizer.from_file(str(found.path))
                 with self._lock:
                     self.load_count += 1
                 templates = ChatTemplates.from_directory(found.path.parent)
                 seam_chars, reuse = _seam_chars(backend), _splits_cleanly(backend)
+                max_length = _model_max_length(found.path.parent)
         except Exception as error:  # tokenizers raises plain Exception for a malformed file
             tried.append(f"{found.source}: {found.path} could not be loaded: {error}")
             raise TokenizerLoadError(model, tried) from error
@@ -235,6 +244,7 @@ class TokenizerRegistry:
             chat_templates=templates,
             seam_chars=seam_chars,
             supports_prefix_reuse=reuse,
+            model_max_length=max_length,
         )
 
     def _loaded_from(self, path: Path) -> LoadedTokenizer | None:
@@ -431,6 +441,22 @@ def _splits_cleanly(backend: Tokenizer) -> bool:
         if full.ids[:t] + rest.ids != full.ids:
             return False
     return True
+
+
+# transformers writes int(1e30) (VERY_LARGE_INTEGER) when a tokenizer states no limit.
+_NO_LIMIT_ABOVE = 1 << 40
+
+
+def _model_max_length(directory: Path) -> int | None:
+    """``model_max_length`` from the ``tokenizer_config.json`` beside a tokenizer, when it states a
+    real limit."""
+    config_path = directory / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    value = json.loads(config_path.read_text(encoding="utf-8")).get("model_max_length")
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < _NO_LIMIT_ABOVE:
+        return value
+    return None
 
 
 def _first_line(error: BaseException) -> str:

@@ -7,18 +7,14 @@ core's exceptions to HTTP statuses lives here and nowhere else:
 exception                 status  code
 ========================  ======  ==============================================================
 ValidationError           400     ``invalid_request`` (DRF's and Django's; ``fields`` added)
-InvalidInput              400     ``invalid_request`` (the core refused a field)
-ChatTemplateError         400     ``invalid_chat`` (the conversation or template options)
 ParseError                400     ``invalid_json``
 NotAuthenticated          401     ``unauthenticated`` (403 ``forbidden`` where no challenge fits)
 PermissionDenied          403     ``forbidden``
-TokenizerNotFound         404     ``model_not_found``
 NotFound, Http404         404     ``not_found``
 MethodNotAllowed          405     ``method_not_allowed``
 BodyTooLarge              413     ``body_too_large``
 UnsupportedMediaType      415     ``unsupported_media_type``
-TokenizerLoadError        422     ``tokenizer_load_failed``
-IndexUnavailable          503     ``index_unavailable``
+the core's exceptions       as ``scoring.fastpath.errors`` answers them (one table for both)
 anything else             500     ``internal_error`` (logged with its traceback)
 ========================  ======  ==============================================================
 """
@@ -36,10 +32,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
-from scoring.chat import ChatTemplateError
-from scoring.index import IndexUnavailable
-from scoring.read_path import InvalidInput
-from scoring.tokenization import TokenizerLoadError, TokenizerNotFound
+from scoring.fastpath.errors import from_core
 
 logger = logging.getLogger(__name__)
 
@@ -99,22 +92,11 @@ def to_api_error(exc: Exception, view: object = None) -> ApiError:
     if isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         return _validation_error(detail)
-    if isinstance(exc, InvalidInput):
-        return _validation_error({exc.field: [str(exc).removeprefix(f"{exc.field}: ")]})
-    if isinstance(exc, ChatTemplateError):
-        return ApiError(400, "invalid_chat", str(exc))
-    if isinstance(exc, TokenizerNotFound):
-        return ApiError(
-            404,
-            "model_not_found",
-            f"unknown model {exc.model!r}: no tokenizer for it ({'; '.join(exc.tried)}). Configure a "
-            "tokenizer source for it (a model config, KVCACHE_TOKENIZERS_DIR), or send token_ids to "
-            "/api/v1/score",
-        )
-    if isinstance(exc, TokenizerLoadError):
-        return ApiError(422, "tokenizer_load_failed", str(exc))
-    if isinstance(exc, IndexUnavailable):
-        return ApiError(503, "index_unavailable", f"the KV-block index cannot be reached: {exc}")
+    core = from_core(exc)
+    if core is not None:
+        if core.code == "invalid_request":
+            return _validation_error(core.fields or {})
+        return ApiError(core.status, core.code, core.message)
     if isinstance(exc, exceptions.ParseError):
         return ApiError(400, "invalid_json", str(exc.detail))
     if isinstance(exc, exceptions.NotAuthenticated | exceptions.AuthenticationFailed):

@@ -19,7 +19,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import Serializer
 from rest_framework.views import APIView
 
-from scoring import selectors, services
+from scoring import runtime, selectors, services
 from scoring.api.auth import STAFF_AUTHENTICATION, STAFF_HINT, STAFF_PERMISSIONS
 from scoring.api.errors import ApiError
 from scoring.api.serializers import (
@@ -51,7 +51,7 @@ def _apply(instance: Model, changes: dict[str, Any], serializer: Serializer, *, 
 
 
 def _pod_state(pod: Pod) -> dict[str, Any]:
-    return PodStateSerializer(selectors.pod_states([pod])[0]).data
+    return PodStateSerializer(selectors.pod_states(runtime.get_index(), [pod])[0]).data
 
 
 @extend_schema(tags=["registry (staff)"])
@@ -62,7 +62,7 @@ class PodListView(StaffView):
         responses={200: PodStateSerializer(many=True)},
     )
     def get(self, request: Request) -> Response:
-        return Response(PodStateSerializer(selectors.pod_states(), many=True).data)
+        return Response(PodStateSerializer(selectors.pod_states(runtime.get_index()), many=True).data)
 
     @extend_schema(
         operation_id="pods_create",

@@ -1,7 +1,5 @@
-"""Routes of the scoring API, the registry API, the OpenAPI schema and docs, and the probes.
-
-Upstream's two endpoints keep their paths (no trailing slash), and so does ``/api/v1/score``.
-"""
+"""Routes of the registry API, the OpenAPI schema and docs, and the readiness probe (the scoring
+endpoints and ``/healthz`` never reach Django: ``kvsite.asgi`` sends them to the fast path)."""
 
 from __future__ import annotations
 
@@ -11,9 +9,6 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, Spec
 from scoring.api import registry, views
 
 urlpatterns = [
-    path("score_completions", views.ScoreCompletionsView.as_view(), name="score-completions"),
-    path("score_chat_completions", views.ScoreChatCompletionsView.as_view(), name="score-chat-completions"),
-    path("api/v1/score", views.ScoreView.as_view(), name="score"),
     path("api/v1/pods/", registry.PodListView.as_view(), name="pods"),
     path("api/v1/pods/<str:pod_id>/", registry.PodDetailView.as_view(), name="pod"),
     path("api/v1/models/", registry.ModelConfigListView.as_view(), name="model-configs"),
@@ -23,6 +18,5 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
-    path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
 ]

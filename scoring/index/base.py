@@ -78,6 +78,9 @@ class ClearPod:
 
 IndexUpdate = Store | Remove | ClearPod
 
+LookupQuery = tuple[Sequence[BlockKey], Collection[str] | None]
+"""One ``lookup``'s arguments, for ``lookup_many``: the keys, and the pods (``None``: every pod)."""
+
 
 class IndexUnavailable(RuntimeError):
     """The backing store cannot be reached (the API answers 503)."""
@@ -110,6 +113,9 @@ class KVIndex(Protocol):
         first key that has no (remaining) holder: the result is the longest held run from
         ``keys[0]``, which is all that prefix scoring needs. One round trip. An empty ``pods``
         matches nothing (``[]``); each returned map is the caller's to keep or change."""
+
+    def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
+        """``lookup`` for each ``(keys, pods)`` query under ``model``, in order, in one round trip."""
 
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod`` (under ``model``, or under every model); returns how

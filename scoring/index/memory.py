@@ -43,7 +43,17 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from decimal import Decimal
 
-from scoring.index.base import ClearPod, HolderMap, IndexUpdate, PodBlocks, Remove, Store, StoredBlock, Tier
+from scoring.index.base import (
+    ClearPod,
+    HolderMap,
+    IndexUpdate,
+    LookupQuery,
+    PodBlocks,
+    Remove,
+    Store,
+    StoredBlock,
+    Tier,
+)
 from scoring.keys import BlockKey, Digest, key_of
 
 DEFAULT_MAX_KEYS = 10_000_000
@@ -274,6 +284,9 @@ class MemoryIndex:
                 touch(ident)
                 out.append(holders)
         return out
+
+    def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
+        return [self.lookup(model=model, keys=keys, pods=pods) for keys, pods in queries]
 
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:
         with self._lock:

@@ -64,6 +64,7 @@ from scoring.index.base import (
     HolderMap,
     IndexUnavailable,
     IndexUpdate,
+    LookupQuery,
     PodBlocks,
     Remove,
     Store,
@@ -498,6 +499,28 @@ def _raise_if_error(reply: Any) -> Any:
     return reply
 
 
+def _held_run(values: Sequence[bytes | None], wanted: Collection[str] | None) -> list[HolderMap]:
+    """The holders of the longest held run in an ``MGET``'s answer, restricted to ``wanted``.
+
+    Each distinct block value is parsed (and filtered) once: the blocks of a shared prefix are
+    held by the same entries, so most keys cost a dict look-up and a copy."""
+    parsed: dict[bytes, HolderMap] = {}
+    out: list[HolderMap] = []
+    for value in values:
+        if value is None:
+            break
+        holders = parsed.get(value)
+        if holders is None:
+            holders = _parse_holders(value)
+            if wanted is not None:
+                holders = {pod: tiers for pod, tiers in holders.items() if pod in wanted}
+            parsed[value] = holders
+        if not holders:
+            break
+        out.append(holders.copy())
+    return out
+
+
 def _block_names(block_prefix: bytes, keys: Sequence[BlockKey]) -> list[bytes]:
     """``block_prefix + K`` for every key, K in hex. Done in C (pack, hex with a space every 8
     bytes, one replace, one split) as it is most of a lookup's Python time; ``struct.error``
@@ -645,31 +668,32 @@ class RedisIndex:
     def lookup(
         self, *, model: str, keys: Sequence[BlockKey], pods: Collection[str] | None = None
     ) -> list[HolderMap]:
-        """Holders of the longest held run of ``keys``: one ``MGET`` (see ``KVIndex``).
-
-        Each distinct block value is parsed (and filtered) once: the blocks of a shared prefix
-        are held by the same entries, so most keys cost a dict look-up and a copy."""
+        """Holders of the longest held run of ``keys``: one ``MGET`` (see ``KVIndex``)."""
         if not keys:
             return []
         wanted = pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
         if wanted is not None and not wanted:
             return []
         names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
-        values = self._client.mget(names)
-        parsed: dict[bytes, HolderMap] = {}
-        out: list[HolderMap] = []
-        for value in values:
-            if value is None:
-                break
-            holders = parsed.get(value)
-            if holders is None:
-                holders = _parse_holders(value)
-                if wanted is not None:
-                    holders = {pod: tiers for pod, tiers in holders.items() if pod in wanted}
-                parsed[value] = holders
-            if not holders:
-                break
-            out.append(holders.copy())
+        return _held_run(self._client.mget(names), wanted)
+
+    @_unavailable_on_connection_error
+    def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
+        """One ``MGET`` per query that can match, pipelined: one round trip for all of them."""
+        prefix = _model_keys(self._namespace, model).block_prefix
+        wanted = [
+            pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
+            for _, pods in queries
+        ]
+        asked = [i for i, (keys, _) in enumerate(queries) if keys and (wanted[i] is None or wanted[i])]
+        out: list[list[HolderMap]] = [[] for _ in queries]
+        if not asked:
+            return out
+        pipe = self._client.pipeline(transaction=False)
+        for i in asked:
+            pipe.mget(_block_names(prefix, queries[i][0]))
+        for i, values in zip(asked, pipe.execute(), strict=True):
+            out[i] = _held_run(values, wanted[i])
         return out
 
     @_unavailable_on_connection_error

@@ -16,12 +16,13 @@ from rest_framework.test import APIClient
 from ingest.applier import EventApplier
 from ingest.events import BlockStored, EventBatch
 from ingest.stats import IngestStats
-from scoring import services
+from scoring import runtime
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex, open_index
 from scoring.keys import block_keys
-from scoring.selectors import invalidate_service_config
+from scoring.runtime import invalidate_service_config
 from scoring.tokenization import TokenizerRegistry
+from tests.asgi import AsgiClient
 
 MODEL = "Qwen/Qwen3-0.6B"
 SEED = "42"  # the captures' PYTHONHASHSEED
@@ -37,7 +38,7 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 def tokenizers() -> TokenizerRegistry:
     """One registry for the session, built as the web process builds it (loading Qwen3 takes
     ~0.4 s: once). Model sources come from the model configs, read when a model first loads."""
-    return services.build_tokenizers()
+    return runtime.build_tokenizers()
 
 
 @pytest.fixture(autouse=True)
@@ -46,11 +47,11 @@ def api_process(db, settings, tokenizers: TokenizerRegistry) -> Iterator[None]:
     settings.KVCACHE_HASH_SEED = SEED
     settings.KVCACHE_API_KEYS = []
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast logins
-    services.set_tokenizers(tokenizers)
+    runtime.set_tokenizers(tokenizers)
     invalidate_service_config()
     yield
     invalidate_service_config()
-    services.set_tokenizers(None)
+    runtime.set_tokenizers(None)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -62,9 +63,9 @@ def index(request: pytest.FixtureRequest, settings) -> Iterator[KVIndex]:
         url = request.getfixturevalue("redis_url")
         settings.REDIS_URL = url  # the ingest stats live beside the index
         idx = open_index(url)
-    services.set_index(idx)
+    runtime.set_index(idx)
     yield idx
-    services.set_index(None)
+    runtime.set_index(None)
     idx.close()
 
 
@@ -124,8 +125,9 @@ def engines(index: KVIndex) -> Engines:
 
 
 @pytest.fixture
-def client() -> APIClient:
-    return APIClient()
+def client() -> AsgiClient:
+    """The whole ASGI application, as ``manage.py serve`` runs it (fast path and Django)."""
+    return AsgiClient()
 
 
 @pytest.fixture
@@ -142,6 +144,6 @@ def tokens(tokenizers: TokenizerRegistry) -> Callable[[str], list[int]]:
     return lambda text: tokenizers.get(MODEL).encode(text).ids
 
 
-def post(client: APIClient, path: str, body: object, **extra: str):
+def post(client: AsgiClient | APIClient, path: str, body: object, **extra: str):
     """POST ``body`` as JSON; the response's ``json()`` is the decoded body."""
     return client.post(path, data=json.dumps(body), content_type="application/json", **extra)

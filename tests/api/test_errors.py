@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from scoring import services
+from scoring import runtime, services
 from scoring.index import open_index
 from scoring.models import ModelConfig
 from tests.api.conftest import MODEL, post
@@ -17,9 +17,9 @@ from tests.servers import free_port
 @pytest.fixture(autouse=True)
 def index():
     """Errors do not depend on the backend: the in-memory one (the 503 test installs its own)."""
-    services.set_index(open_index("memory://"))
+    runtime.set_index(open_index("memory://"))
     yield
-    services.set_index(None)
+    runtime.set_index(None)
 
 
 def error_of(response, status: int, code: str) -> dict:
@@ -145,10 +145,10 @@ def test_with_api_keys_configured_scoring_needs_a_bearer_key(client, settings, p
     ],
 )
 def test_registry_endpoints_are_401_anonymous_and_403_for_non_staff(client, django_user_model, method, path):
-    error_of(getattr(client, method)(path, {}, format="json"), 401, "unauthenticated")
-    user = django_user_model.objects.create_user("viewer", password="pw")
-    client.force_authenticate(user)
-    error_of(getattr(client, method)(path, {}, format="json"), 403, "forbidden")
+    send = getattr(client, method)
+    error_of(send(path) if method == "get" else send(path, {}), 401, "unauthenticated")
+    client.force_login(django_user_model.objects.create_user("viewer", password="pw"))
+    error_of(send(path) if method == "get" else send(path, {}), 403, "forbidden")
 
 
 def test_registry_endpoints_accept_http_basic_auth_of_staff(client, django_user_model):
@@ -218,7 +218,7 @@ def test_a_tokenizer_that_does_not_load_is_a_422(client, tmp_path):
 
 
 def test_with_the_index_unreachable_scoring_is_a_503_and_not_ready(client, base_capture):
-    services.set_index(open_index(f"redis://127.0.0.1:{free_port()}/0?socket_connect_timeout=0.5"))
+    runtime.set_index(open_index(f"redis://127.0.0.1:{free_port()}/0?socket_connect_timeout=0.5"))
     try:
         body = {"model": MODEL, "prompt": base_capture["prompt"]}
         error_of(post(client, "/score_completions", body), 503, "index_unavailable")
@@ -231,4 +231,4 @@ def test_with_the_index_unreachable_scoring_is_a_503_and_not_ready(client, base_
         assert ready.json()["checks"]["database"] == "ok"
         assert ready.json()["checks"]["index"] != "ok"
     finally:
-        services.set_index(None)
+        runtime.set_index(None)

@@ -8,9 +8,10 @@ import time
 import pytest
 import redis
 
-from ingest.publish import publish_snapshot
+from scoring.api.codecs import json_depth_exceeds
 from scoring.models import ModelConfig, Pod
-from scoring.selectors import CONFIG_REFRESH_SECONDS
+from scoring.runtime import CONFIG_REFRESH_SECONDS
+from scoring.streams import publish_snapshot
 from tests.api.conftest import MODEL, post
 
 
@@ -188,3 +189,59 @@ def test_a_new_tokenizer_source_takes_effect_within_5_seconds(staff, client, ind
     (tmp_path / "tokenizer.json").write_text("{}")
     staff.patch("/api/v1/models/qwen-small/", {"tokenizer_source": str(tmp_path)}, format="json")
     assert eventually(lambda: post(client, "/score_completions", body).status_code == 422, within=5) < 5
+
+
+# --- request bodies: depth-limited JSON on every DRF endpoint ---------------------------------------
+
+memory_index = pytest.mark.parametrize("index", ["memory"], indirect=True)  # parsing precedes the index
+
+
+def nested(depth: int, *, kind: str = "array") -> str:
+    if kind == "array":
+        return "[" * depth + "]" * depth
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@memory_index
+@pytest.mark.parametrize("kind", ["array", "object"])
+@pytest.mark.parametrize("depth", [65, 1025, 5_000, 100_000])
+def test_json_nested_deeper_than_the_limit_is_a_400_at_once(staff, index, depth, kind):
+    started = time.monotonic()
+    response = staff.post("/api/v1/pods/", data=nested(depth, kind=kind), content_type="application/json")
+    elapsed = time.monotonic() - started
+
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["code"] == "invalid_json"
+    assert "nested deeper than 64 levels" in response.json()["error"]["message"]
+    assert elapsed < 0.5
+
+
+@memory_index
+@pytest.mark.parametrize(("method", "path"), [("post", "/api/v1/models/"), ("put", "/api/v1/hash-seed/")])
+def test_deep_json_is_a_400_on_every_registry_endpoint(staff, index, method, path):
+    response = getattr(staff, method)(path, data=nested(5_000), content_type="application/json")
+    assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_json")
+
+
+@memory_index
+def test_json_nested_up_to_the_limit_is_parsed(staff, index, settings):
+    settings.KVCACHE_MAX_JSON_DEPTH = 3
+    body = '{"pod_id": "pod-a", "model": "m", "labels": {"zone": "b"}}'  # 2 deep
+    assert staff.post("/api/v1/pods/", data=body, content_type="application/json").status_code == 201
+
+    deeper = '{"pod_id": "pod-b", "model": "m", "labels": {"zone": {"rack": ["b"]}}}'  # 4 deep
+    response = staff.post("/api/v1/pods/", data=deeper, content_type="application/json")
+    assert "nested deeper than 3 levels" in response.json()["error"]["message"]
+
+
+def test_json_depth_exceeds_counts_nested_arrays_and_objects():
+    assert not json_depth_exceeds(b"[]", [], 1)
+    assert json_depth_exceeds(b"[[]]", [[]], 1)
+    assert not json_depth_exceeds(b'{"a": [1, {"b": 2}]}', {"a": [1, {"b": 2}]}, 3)
+    assert json_depth_exceeds(b'{"a": [1, {"b": []}]}', {"a": [1, {"b": []}]}, 3)
+    # Brackets inside strings are only counted by the shortcut, never as depth.
+    assert not json_depth_exceeds(b'["[[[[{{{{"]', ["[[[[{{{{"], 1)
+    deep: list = []
+    for _ in range(100_000):  # walked without recursion
+        deep = [deep]
+    assert json_depth_exceeds(b"[" * 100_001, deep, 64)

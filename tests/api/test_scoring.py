@@ -76,7 +76,9 @@ def test_the_pod_holding_the_captured_blocks_scores_25_on_every_endpoint(
         "model": MODEL,
         "blocks": 25,
         "scores": {"pod-a": 25.0},
-        "pods": {"pod-a": {"score": 25.0, "matched_blocks": 25, "normalized": 1.0, "tier": "gpu"}},
+        "pods": {
+            "pod-a": {"score": 25.0, "matched_blocks": 25, "normalized": 1.0, "tier": "gpu", "address": None}
+        },
     }
     assert score(client, {"token_ids": base_capture["token_ids"]})["scores"] == {"pod-a": 25.0}
 
@@ -115,7 +117,13 @@ def test_prefix_expansion_scores_only_the_cached_leading_blocks(client, engines,
     assert completions(client, base_capture["prompt"]) == {"pod-a": 10.0}
     assert completions(client, longer) == {"pod-a": 10.0}
     result = score(client, {"prompt": base_capture["prompt"]})
-    assert result["pods"]["pod-a"] == {"score": 10.0, "matched_blocks": 10, "normalized": 0.4, "tier": "gpu"}
+    assert result["pods"]["pod-a"] == {
+        "score": 10.0,
+        "matched_blocks": 10,
+        "normalized": 0.4,
+        "tier": "gpu",
+        "address": None,
+    }
 
 
 def test_a_4500_token_prompt_is_scored_block_by_block(client, engines, base_capture, tokens):

@@ -9,9 +9,8 @@ import time
 import pytest
 import redis
 import yaml
-from asgiref.sync import async_to_sync
 
-from ingest.publish import publish_snapshot
+from scoring.streams import publish_snapshot
 from tests.api.conftest import MODEL, post
 from tests.servers import free_port
 
@@ -45,7 +44,7 @@ def test_the_interactive_docs_load_their_assets_from_this_server(client):
     for asset in assets:
         response = client.get(asset)
         assert response.status_code == 200, asset
-        b"".join(response.streaming_content if response.streaming else [response.content])
+        assert response.content
 
 
 def test_healthz_says_the_process_is_alive(client):
@@ -149,15 +148,3 @@ def test_metrics_include_the_ingest_processes_counters(client, index, redis_url)
 def test_metrics_say_when_the_ingest_stats_cannot_be_read(client, index, settings):
     settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
     assert sample(metrics_text(client), "kvcache_ingest_stats_up") == 0
-
-
-def test_scoring_answers_through_the_asgi_handler_that_daphne_runs(async_client, engines, base_capture):
-    """The path a deployed server takes (Django's ASGI handler, the middleware chain kept
-    synchronous by SyncMiddlewareChain), not only the test client's WSGI-style one."""
-    engines.cache_capture("pod-a", base_capture)
-    body = {"model": MODEL, "prompt": base_capture["prompt"]}
-
-    response = async_to_sync(async_client.post)("/score_completions", body, content_type="application/json")
-    assert response.status_code == 200
-    assert response.json() == {"pod-a": 25.0}
-    assert "core;dur=" in response.headers["Server-Timing"]

@@ -14,7 +14,7 @@ from ingest.events import BlockRemoved
 from ingest.management.commands.ingest import Housekeeping
 from scoring.config import ServiceConfig
 from scoring.index import open_index
-from scoring.services import set_index
+from scoring.runtime import set_index
 from tests.dashboard.conftest import communicator, receive_until, session_cookie
 from tests.events import stored_event
 from tests.ingest.conftest import Harness

@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 from dashboard import selectors
 from dashboard.sampler import LOG_SIZE, FleetSampler
-from ingest.publish import publish_snapshot
 from scoring.index import open_index
 from scoring.index.base import Store, StoredBlock
 from scoring.models import Pod
-from scoring.services import set_index
+from scoring.runtime import set_index
+from scoring.streams import publish_snapshot
 from tests.dashboard.conftest import stream
 
 MODEL = "Qwen/Qwen3-0.6B"

@@ -18,9 +18,9 @@ import redis
 import zmq
 
 from ingest.events import encode_batch, encode_message
-from ingest.publish import STATS_KEY
 from scoring.index import open_index
 from scoring.keys import block_keys
+from scoring.streams import STATS_KEY
 from tests.events import stored_event
 from tests.ingest.conftest import MODEL, wait_until
 from tests.servers import free_port

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 from django.contrib.auth.models import User
 
-from scoring import services
+from scoring import runtime, services
 from scoring.index import KVIndex, StoredBlock, open_index
 from scoring.keys import block_digest, key_of, root_digest
 from scoring.models import HashSeed, ModelConfig, Pod
-from scoring.selectors import invalidate_service_config, service_config
+from scoring.runtime import invalidate_service_config, service_config
 
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -20,10 +20,10 @@ MODEL = "Qwen/Qwen3-0.6B"
 @pytest.fixture
 def index() -> Iterator[KVIndex]:
     idx = open_index("memory://")
-    services.set_index(idx)
+    runtime.set_index(idx)
     invalidate_service_config()
     yield idx
-    services.set_index(None)
+    runtime.set_index(None)
     invalidate_service_config()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scoring.services import index_url
+from scoring.runtime import index_url
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from scoring.chat import ChatTemplateError, ChatTemplates, render_chat, template_reads_content_parts
+from scoring.chat import (
+    ChatTemplateError,
+    ChatTemplates,
+    TemplateBudgetExceeded,
+    TemplateLimits,
+    render_chat,
+    render_template,
+    template_reads_content_parts,
+)
 from tests.tokenization import qwen_tokenizer_dir
 
 WEATHER_TOOL = {
@@ -310,3 +319,148 @@ def test_templates_cannot_escape_the_sandbox(qwen_templates: ChatTemplates) -> N
 
     with pytest.raises(ChatTemplateError):
         render_chat([{"role": "user", "content": "hi"}], templates=qwen_templates, chat_template=escape)
+
+
+# --- the bounded environment renders as transformers' does ----------------------------------
+
+FEATURE_TEMPLATES = {
+    "tojson with its arguments": (
+        "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ tools | tojson(separators=(',', ':')) }}"
+        "|{{ {'b': 'é', 'a': 1} | tojson(sort_keys=True) }}|{{ 'é<>' | tojson(ensure_ascii=True) }}"
+    ),
+    "namespace, dict and loop controls": (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}{{ dict(a=1, b=[2]) }}{{ dict.fromkeys('ab', 0) }}"
+    ),
+    "whitespace control (trim_blocks, lstrip_blocks)": (
+        "{% for m in messages %}\n    {% if m.role == 'user' %}\n<{{ m.content }}>\n    {% endif %}\n"
+        "{% endfor %}\n"
+    ),
+    "the generation tag": (
+        "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+    ),
+    "reasoning fields": "{% for m in messages %}{{ m.reasoning_content }}/{{ m.thinking }};{% endfor %}",
+    "text filters and formatting": (
+        "{{ messages[0].content | center(40) }}|{{ 'a\nb' | indent(3, first=True) }}"
+        "|{{ messages[1].content | wordwrap(10) }}|{{ messages[1].content | replace('KV', 'kv') }}"
+        "|{{ messages[1].content | truncate(12) }}|{{ '%s-%05.1f' % ('x', 2.5) }}|{{ '{:>6}'.format('y') }}"
+        "|{{ '%(a)s' | format(a=1) }}|{{ range(5) | join(',') }}|{{ [1, 2, 3] | batch(2, 0) | list }}"
+        "|{{ [1, 2, 3] | slice(2) | list }}|{{ [[1], [2]] | sum(start=[]) }}|{{ tools | pprint }}"
+        "|{{ messages[0].content ~ 7 ~ none }}|{{ 2 ** 10 * 3 }}|{{ 'ab' * 3 }}|{{ 'x'.rjust(4, '-') }}"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FEATURE_TEMPLATES)
+def test_template_features_render_as_transformers_renders_them(case: str, transformers_qwen: Any) -> None:
+    template = FEATURE_TEMPLATES[case]
+    messages = [
+        *MULTI_TURN[:2],
+        {"role": "assistant", "content": "Keys and values.", "reasoning_content": "Short."},
+        {"role": "assistant", "content": "Cached.", "thinking": "Older name."},
+    ]
+    templates = ChatTemplates(templates={"default": template})
+
+    rendered = render_chat(messages, templates=templates, tools=[WEATHER_TOOL])
+
+    assert rendered.text == transformers_qwen.apply_chat_template(
+        messages, chat_template=template, tools=[WEATHER_TOOL], tokenize=False
+    )
+
+
+def test_a_verbatim_copy_of_the_models_template_is_trusted(qwen_templates: ChatTemplates) -> None:
+    own = qwen_templates.templates["default"]
+
+    assert qwen_templates.owns(own)
+    assert not qwen_templates.owns(own + "{# a request's edit #}")
+
+
+# --- hostile templates, rendered in this process ------------------------------------------------
+
+HOSTILE_TEMPLATES = {
+    "a huge power": ("{{ (9**(9**8)) % 2 }}", TemplateBudgetExceeded, "number of more than 16384 bits"),
+    "a huge string": ("{{ 'a'*10**9 }}", TemplateBudgetExceeded, "output budget"),
+    "division by zero": ("{{ 1/0 }}", ChatTemplateError, "ZeroDivisionError: division by zero"),
+    "a recursive macro": (
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+        TemplateBudgetExceeded,
+        "recurses too deeply",
+    ),
+    "a huge range": ("{{ range(10**6)|length }}", TemplateBudgetExceeded, "at most 10000 items"),
+    "a wide %-format": ("{{ '%*s' % (10**9, 'a') }}", TemplateBudgetExceeded, r"formats text \(%\)"),
+    "a repeated %-format key": (
+        "{{ ('%(a)s' * 20) % {'a': 'x' * 1000000} }}",
+        TemplateBudgetExceeded,
+        r"formats text \(%\)",
+    ),
+    "a wide str.format field": ("{{ '{:>1000000000}'.format('a') }}", TemplateBudgetExceeded, "huge width"),
+    "a huge join": (
+        "{{ range(10000)|join('x' * 100000) }}",
+        TemplateBudgetExceeded,
+        r"joins text \(\|join\)",
+    ),
+    "a wide string method": ("{{ 'x'.center(10**9) }}", TemplateBudgetExceeded, r"center\(\)"),
+    "a wide indent": ("{{ 'x'|indent(10**9) }}", TemplateBudgetExceeded, "indents text"),
+    "a long wrapstring": (
+        "{{ ('a ' * 100000)|wordwrap(1, wrapstring='x' * 100) }}",
+        TemplateBudgetExceeded,
+        "wraps text",
+    ),
+    "a growing replace": ("{{ ('a' * 1000000)|replace('a', 'b' * 20) }}", TemplateBudgetExceeded, "replaces"),
+    "a huge JSON indent": ("{{ tools|tojson(indent=10**9) }}", TemplateBudgetExceeded, "indents JSON"),
+    "int.to_bytes": ("{{ (5).to_bytes(10**9, 'big') }}", TemplateBudgetExceeded, "to_bytes"),
+    "a list nested in itself": (
+        "{% set a = ['x' * 100000] %}" + "{% set a = [a, a] %}" * 30 + "{{ a }}",
+        TemplateBudgetExceeded,
+        "prints a value",
+    ),
+    "doubling a string": (
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        TemplateBudgetExceeded,
+        r"joins text \(~\)",
+    ),
+    "a long block": (
+        "{% set x %}{% for i in range(10000) %}{{ 'x' * 10000 }}{% endfor %}{% endset %}",
+        TemplateBudgetExceeded,
+        "builds a block of text",
+    ),
+    "a long output": (
+        "{% for i in range(10000) %}{{ 'x' * 10000 }}{% endfor %}",
+        TemplateBudgetExceeded,
+        "output passed the 8388608-character budget",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_TEMPLATES)
+def test_hostile_templates_are_refused_quickly_in_process(case: str, qwen_templates: ChatTemplates) -> None:
+    template, error, message = HOSTILE_TEMPLATES[case]
+    started = time.perf_counter()
+
+    with pytest.raises(error, match=message):
+        render_chat(
+            [{"role": "user", "content": "hi"}],
+            templates=qwen_templates,
+            chat_template=template,
+            tools=[WEATHER_TOOL],
+        )
+
+    assert time.perf_counter() - started < 2
+
+
+def test_the_output_budget_is_a_limit_of_render_template() -> None:
+    limits = TemplateLimits(max_output_chars=10)
+    conversation = [{"role": "user", "content": "hi"}]
+
+    assert render_template("{{ 'x' * 10 }}", conversation, limits=limits) == "x" * 10
+    with pytest.raises(TemplateBudgetExceeded, match="10-character"):
+        render_template("{% for i in range(11) %}x{% endfor %}", conversation, limits=limits)
+
+
+def test_reading_content_parts_is_detected_in_linear_time() -> None:
+    # A regular expression over the text took 9 s on this 80 kB template.
+    crafted = "{% for " + "a in " * 16000
+    started = time.perf_counter()
+
+    assert not template_reads_content_parts(crafted)
+    assert time.perf_counter() - started < 0.5

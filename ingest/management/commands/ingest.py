@@ -21,11 +21,11 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from prometheus_client import CollectorRegistry, start_http_server
 
 from ingest.pipeline import IngestPipeline
-from ingest.publish import instance_id, publish_snapshot, withdraw_snapshot
 from ingest.stats import IngestStats, IngestStatsCollector
 from scoring.index.base import IndexUnavailable
-from scoring.selectors import service_config
-from scoring.services import get_index, record_pods_seen
+from scoring.runtime import get_index, service_config
+from scoring.services import record_pods_seen
+from scoring.streams import instance_id, publish_snapshot, withdraw_snapshot
 
 log = logging.getLogger("ingest")
 

@@ -40,7 +40,7 @@ _NO_ENDPOINT = ("", "none", "off")
 def registry_config() -> ServiceConfig:
     """The registry snapshot (hash seed, model settings); the settings' defaults when the database
     is not usable (not migrated yet, unreachable)."""
-    from scoring.selectors import service_config
+    from scoring.runtime import service_config
 
     try:
         return service_config()
@@ -104,7 +104,7 @@ def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetCo
 def load_tokenizer(model: str, *, chat_template: str) -> PodTokenizer:
     """The model's tokenizer from the manager's registry (configured from the settings and the
     model config); without a usable database, from the settings' sources only."""
-    from scoring.services import build_tokenizers
+    from scoring.runtime import build_tokenizers
 
     try:
         return PodTokenizer(build_tokenizers(), model, chat_template=chat_template)

@@ -1,0 +1,214 @@
+"""The fast path's endpoints in the OpenAPI schema, beside what drf-spectacular finds in Django.
+
+The request bodies come from the same ``msgspec`` types that validate them
+(``scoring.fastpath.schema``), so the documentation cannot drift from the validation; the
+responses are described here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scoring.fastpath.schema import MAX_BATCH, openapi_components
+
+_ERRORS = {
+    "400": "The body is not valid: `fields` says which field and what to send (also: JSON nested "
+    "too deep, a prompt longer than the model's context length, a template that cannot render).",
+    "401": "KVCACHE_API_KEYS is set and no valid `Authorization: Bearer <key>` was sent.",
+    "404": "The model has no tokenizer (use token_ids on /api/v1/score for such models).",
+    "405": "Only POST is allowed.",
+    "413": "The body is larger than KVCACHE_MAX_BODY_BYTES.",
+    "422": "The model's tokenizer does not load, or the request's chat template went over its CPU, "
+    "memory or output budget.",
+    "503": "The KV-block index cannot be reached, or every template sandbox is busy.",
+}
+
+_POD_SCORES = {
+    "type": "object",
+    "additionalProperties": {"type": "number"},
+    "description": "{pod: score}; {} when no pod holds the first block (or the prompt has no full block).",
+    "example": {"pod-a": 25.0, "pod-b": 3.0},
+}
+
+_SCHEMAS: dict[str, Any] = {
+    "PodScores": _POD_SCORES,
+    "ScoreChatCompletionsResponse": {
+        "type": "object",
+        "properties": {
+            "podScores": {"$ref": "#/components/schemas/PodScores"},
+            "templated_messages": {"type": "string", "description": "The rendered prompt that was scored."},
+        },
+        "required": ["podScores", "templated_messages"],
+    },
+    "PodResult": {
+        "type": "object",
+        "properties": {
+            "score": {"type": "number", "description": "Sum of the tier weights of the matched blocks."},
+            "matched_blocks": {
+                "type": "integer",
+                "description": "Leading blocks of the prompt the pod holds.",
+            },
+            "normalized": {"type": "number", "description": "matched_blocks / blocks."},
+            "tier": {
+                "type": "string",
+                "description": 'The slowest tier of the matched prefix ("gpu" when all).',
+            },
+            "address": {
+                "type": "string",
+                "nullable": True,
+                "description": "Where the pod serves HTTP (the registry's address); null when unknown.",
+            },
+        },
+    },
+    "ScoreResponse": {
+        "type": "object",
+        "properties": {
+            "model": {"type": "string"},
+            "blocks": {
+                "type": "integer",
+                "description": "Full blocks in the request (a partial last one is not).",
+            },
+            "scores": {"$ref": "#/components/schemas/PodScores"},
+            "pods": {
+                "type": "object",
+                "additionalProperties": {"$ref": "#/components/schemas/PodResult"},
+                "description": "The same pods, with the detail and their address.",
+            },
+        },
+    },
+    "ScoreBatchResponse": {
+        "type": "object",
+        "properties": {
+            "results": {
+                "type": "array",
+                "description": "One per request, in order: `status` 200 and a ScoreResponse, or the "
+                "item's error status and `error`.",
+                "items": {
+                    "allOf": [
+                        {"type": "object", "properties": {"status": {"type": "integer"}}},
+                        {"$ref": "#/components/schemas/ScoreResponse"},
+                    ]
+                },
+            }
+        },
+    },
+}
+
+
+def _operation(
+    operation_id: str, tag: str, summary: str, description: str, request: str, response: dict
+) -> dict[str, Any]:
+    return {
+        "post": {
+            "operationId": operation_id,
+            "tags": [tag],
+            "summary": summary,
+            "description": description,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request}"}}},
+            },
+            "responses": {
+                "200": {"description": "Scores.", "content": {"application/json": {"schema": response}}},
+                **{
+                    status: {
+                        "description": text,
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+                    }
+                    for status, text in _ERRORS.items()
+                },
+            },
+            "security": [{"apiKey": []}, {}],
+        }
+    }
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+PATHS = {
+    "/score_completions": _operation(
+        "score_completions",
+        "scoring (upstream-compatible)",
+        "Score a completion prompt (upstream's shape)",
+        "Per-pod prefix-hit scores for a prompt: the sum of the tier weights of the leading blocks "
+        "each pod holds. Bare `{pod: score}`; `{}` when nothing matched, also for a prompt shorter "
+        "than one block.",
+        "ScoreCompletionsRequest",
+        _ref("PodScores"),
+    ),
+    "/score_chat_completions": _operation(
+        "score_chat_completions",
+        "scoring (upstream-compatible)",
+        "Score a conversation (upstream's shape)",
+        "Renders the messages with the request's chat template (in a sandbox with a CPU budget), else the "
+        "model config's, else the tokenizer's own, then scores the rendered prompt. `chat_template_kwargs` "
+        "are merged over the model's template variables (the caller wins). `add_generation_prompt` "
+        "defaults to false, as upstream.",
+        "ScoreChatCompletionsRequest",
+        _ref("ScoreChatCompletionsResponse"),
+    ),
+    "/api/v1/score": _operation(
+        "score",
+        "scoring",
+        "Score a prompt, a conversation or token ids, with detail and pod addresses",
+        "Send exactly one of `prompt`, `messages` or `token_ids`. `token_ids` skips tokenization (any model "
+        "name works). `pods` restricts the answer to those pods; `lora_name` keys the blocks as vLLM does "
+        "for that adapter. Disabled pods never appear. Each pod comes with its registry `address`.",
+        "ScoreRequest",
+        _ref("ScoreResponse"),
+    ),
+    "/api/v1/score/batch": _operation(
+        "score_batch",
+        "scoring",
+        f"Score up to {MAX_BATCH} requests in one call",
+        "Each item is an /api/v1/score body; the answers come in the same order, each with its own status "
+        "and result or error. One index round trip per distinct model.",
+        "ScoreBatchRequest",
+        _ref("ScoreBatchResponse"),
+    ),
+}
+
+HEALTHZ = {
+    "get": {
+        "operationId": "healthz",
+        "tags": ["probes"],
+        "summary": "The process is alive (checks nothing else; no Host check, for probes by pod IP)",
+        "responses": {"200": {"description": '{"status": "ok"}'}},
+    }
+}
+
+
+def add_fast_path(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
+    """drf-spectacular postprocessing hook: the fast path's paths and schemas."""
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(openapi_components())
+    schemas.update(_SCHEMAS)
+    schemas.setdefault(
+        "Error",
+        {
+            "type": "object",
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "properties": {
+                        "code": {"type": "string"},
+                        "message": {"type": "string", "description": "What went wrong and what to fix."},
+                        "fields": {
+                            "type": "object",
+                            "description": "Field -> problems, for invalid requests.",
+                        },
+                    },
+                }
+            },
+        },
+    )
+    result["components"].setdefault("securitySchemes", {})["apiKey"] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "Required only when KVCACHE_API_KEYS is set: one of its keys.",
+    }
+    result.setdefault("paths", {}).update(PATHS)
+    result["paths"]["/healthz"] = HEALTHZ
+    return result

@@ -1,0 +1,336 @@
+"""The scoring endpoints' request bodies: decoded and validated in one pass, with the errors the
+API answers and the JSON Schema its documentation shows.
+
+The types are ``msgspec`` structs: decoding 2,048 token ids into a validated request costs about
+as much as parsing the JSON alone. Everything a request names is bounded before any cache,
+tokenizer or index sees it: names (model, LoRA adapter, pods) are at most 256 characters, JSON
+nesting at most ``MAX_JSON_DEPTH`` levels, a batch at most ``MAX_BATCH`` requests. A body that
+does not fit raises :class:`RequestError` with ``fields`` naming each wrong field and what to send.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from itertools import chain
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+MAX_NAME_CHARS = 256
+MAX_JSON_DEPTH = 64
+MAX_BATCH = 64
+MAX_PODS = 4096
+U64_MAX = (1 << 64) - 1
+
+ModelName = Annotated[
+    str,
+    Meta(
+        min_length=1, max_length=MAX_NAME_CHARS, description='The served model name, e.g. "Qwen/Qwen3-0.6B".'
+    ),
+]
+PodName = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+LoraName = Annotated[
+    str,
+    Meta(
+        max_length=MAX_NAME_CHARS,
+        description="The LoRA adapter the request will be served with (it changes every block key).",
+    ),
+]
+Prompt = Annotated[str, Meta(min_length=1, description="The completion prompt, exactly as sent to vLLM.")]
+TokenIds = Annotated[
+    list[Annotated[int, Meta(ge=0)]],
+    Meta(
+        min_length=1, description="The prompt already tokenized: no tokenizer needed, any model name works."
+    ),
+]
+Messages = Annotated[
+    list[dict[str, Any]],
+    Meta(
+        min_length=1,
+        description='[{"role": "user", "content": "..."}, ...]; content is a string, a list of text parts '
+        '[{"type": "text", "text": ...}] or null; other keys (tool_calls, name...) reach the template.',
+    ),
+]
+ChatTemplate = Annotated[
+    str,
+    Meta(
+        description="A Jinja chat template, or the name of one of the model's templates. Default (also for "
+        "null or \"\"): the model config's template, else the tokenizer's own. A template sent here renders "
+        "in a sandbox with a CPU-time budget (422 when over it), or is refused when the server sets "
+        "KVCACHE_REQUEST_TEMPLATES=false."
+    ),
+]
+TemplateKwargs = Annotated[
+    dict[str, Any],
+    Meta(description="Extra template variables (e.g. enable_thinking); they win over the model's defaults."),
+]
+ObjectList = list[dict[str, Any]]
+
+
+class RequestError(Exception):
+    """A request the API refuses: ``status``, a stable ``code``, a message saying what to fix, and
+    for an invalid body ``fields`` (field -> problems)."""
+
+    def __init__(
+        self, status: int, code: str, message: str, *, fields: Mapping[str, list[str]] | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.fields = dict(fields) if fields else None
+
+
+def invalid(fields: Mapping[str, list[str]]) -> RequestError:
+    """A 400 ``invalid_request`` naming every wrong field (``non_field_errors`` for the body)."""
+    parts = [
+        problem if name == "non_field_errors" else f"{name}: {problem}"
+        for name, problems in fields.items()
+        for problem in problems
+    ]
+    return RequestError(400, "invalid_request", "; ".join(parts) or "invalid request", fields=fields)
+
+
+# --- the bodies ----------------------------------------------------------------------------------
+
+
+class ChatOptions(Struct, kw_only=True):
+    """The rendering options of a conversation (upstream's ``score_chat_completions`` fields)."""
+
+    tools: ObjectList | None = None
+    documents: ObjectList | None = None
+    chat_template: ChatTemplate | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    continue_final_message: bool = False
+    return_assistant_tokens_mask: bool = False  # accepted for compatibility; no tokens are returned
+
+
+class ScoreCompletionsRequest(Struct, kw_only=True):
+    """Upstream's ``POST /score_completions`` body."""
+
+    model: ModelName
+    prompt: Prompt
+
+
+class ScoreChatCompletionsRequest(ChatOptions, kw_only=True):
+    """Upstream's ``POST /score_chat_completions`` body; ``add_generation_prompt`` defaults to false
+    (as upstream)."""
+
+    model: ModelName
+    messages: Messages
+    add_generation_prompt: bool = False
+
+
+class ScoreRequest(ChatOptions, kw_only=True):
+    """``POST /api/v1/score``: exactly one of ``prompt``, ``messages`` or ``token_ids``; with messages,
+    ``add_generation_prompt`` defaults to true (vLLM's chat completions), false with
+    ``continue_final_message``."""
+
+    model: ModelName
+    prompt: Prompt | UnsetType = UNSET
+    messages: Messages | UnsetType = UNSET
+    token_ids: TokenIds | UnsetType = UNSET
+    pods: Annotated[list[PodName], Meta(min_length=1, max_length=MAX_PODS)] | None = None
+    lora_name: LoraName | None = None
+    add_generation_prompt: bool | None = None
+
+    def generation_prompt(self) -> bool:
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+
+class ScoreBatchRequest(Struct, kw_only=True):
+    """``POST /api/v1/score/batch``: up to 64 ``/api/v1/score`` bodies, answered in order."""
+
+    requests: Annotated[list[msgspec.Raw], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+INPUTS = ("prompt", "messages", "token_ids")
+CHAT_ONLY = ("tools", "documents", "chat_template", "chat_template_kwargs")
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+_DECODERS: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode(body: bytes, kind: type[Struct], *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``body`` as a validated ``kind``; raises :class:`RequestError` (400) naming what is wrong."""
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    check_depth(body, max_depth)
+    try:
+        request = decoder.decode(body)
+    except msgspec.ValidationError as error:
+        raise _explain(_generic(body), kind, str(error)) from None
+    except (msgspec.DecodeError, RecursionError):
+        # msgspec refuses some JSON the standard allows and a field should judge (a lone
+        # surrogate escape), and says little about malformed input ("truncated"): the standard
+        # parser either reads the body or says what is wrong with it and where.
+        data = _standard_parse(body)
+        try:
+            request = msgspec.convert(data, kind)
+        except msgspec.ValidationError as error:
+            raise _explain(data, kind, str(error)) from None
+    _check(request)
+    return request
+
+
+def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``limit`` (400 ``invalid_json``), never by a RecursionError."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return  # the usual body: it cannot nest deeper than it has brackets
+    try:
+        value = msgspec.json.decode(body)
+    except RecursionError:
+        raise RequestError(400, "invalid_json", f"the body is nested deeper than {limit} levels") from None
+    except msgspec.DecodeError:
+        return  # not JSON: decoding says so
+    if json_depth_exceeds(body, value, limit):
+        raise RequestError(400, "invalid_json", f"the body is nested deeper than {limit} levels")
+
+
+def json_depth_exceeds(raw: bytes, value: Any, limit: int) -> bool:
+    """Whether ``value``, parsed from ``raw``, nests arrays and objects more than ``limit`` deep
+    (``[]`` is 1 deep, ``[{}]`` 2). Cheap for the usual body: one that holds at most ``limit``
+    ``[`` and ``{`` bytes cannot nest deeper; only another one is walked, a level at a time (no
+    recursion, and never below level ``limit + 1``)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    level = [value] if isinstance(value, (list, dict)) else []  # the containers at one depth
+    for _ in range(limit):
+        children = chain.from_iterable([c.values() if isinstance(c, dict) else c for c in level])
+        level = [child for child in children if isinstance(child, (list, dict))]
+    return bool(level)
+
+
+def _standard_parse(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except UnicodeDecodeError as error:
+        raise RequestError(400, "invalid_json", f"the body is not UTF-8 text: {error.reason}") from None
+    except RecursionError:
+        raise RequestError(
+            400, "invalid_json", f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
+        ) from None
+    except ValueError as error:
+        raise RequestError(400, "invalid_json", f"the body is not valid JSON: {error}") from None
+
+
+def _generic(body: bytes) -> Any:
+    try:
+        return msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
+_TYPE_NAMES = {
+    "int": "an integer",
+    "str": "a string",
+    "array": "a list",
+    "object": "an object",
+    "bool": "true or false",
+    "null": "null",
+    "float": "a number",
+}
+
+
+def _explain(data: Any, kind: type[Struct], message: str) -> RequestError:
+    """``fields`` for msgspec's first error, plus every missing required field of ``data``."""
+    if not isinstance(data, dict):
+        return invalid({"non_field_errors": ["the body must be a JSON object"]})
+    fields: dict[str, list[str]] = {}
+    required = [field.name for field in msgspec.structs.fields(kind) if field.required]
+    for name in required:
+        if name not in data:
+            fields[name] = ["this field is required"]
+    problem, _, where = message.partition(" - at `$")
+    if where:
+        path = where.rstrip("`")
+        field = path.lstrip(".").split("[", 1)[0].split(".", 1)[0]
+        location = path.lstrip(".")
+        fields.setdefault(field, []).append(f"{location}: {_plain(problem)}")
+    elif not problem.startswith("Object missing required field"):
+        fields.setdefault("non_field_errors", []).append(_plain(problem))
+    return invalid(fields)
+
+
+def _plain(problem: str) -> str:
+    """msgspec's wording for a person: "Expected `int`, got `str`" -> "expected an integer, got a string"."""
+    text = problem.replace("`", "")
+    for name, words in _TYPE_NAMES.items():
+        text = text.replace(f"Expected {name}", f"expected {words}").replace(f"got {name}", f"got {words}")
+    return text[:1].lower() + text[1:]
+
+
+def _check(request: Struct) -> None:
+    """What the types cannot say: token ids within uint64, valid Unicode, message shapes, and
+    ``/api/v1/score``'s exactly-one-input rule."""
+    fields: dict[str, list[str]] = {}
+    token_ids = getattr(request, "token_ids", UNSET)
+    if token_ids is not UNSET and max(token_ids) > U64_MAX:
+        index = next(i for i, t in enumerate(token_ids) if t > U64_MAX)
+        fields["token_ids"] = [f"token_ids[{index}] = {token_ids[index]} is outside 0..2**64-1"]
+    for name in ("model", "prompt", "chat_template", "lora_name"):
+        value = getattr(request, name, None)
+        if isinstance(value, str):
+            problem = _unicode_problem(value)
+            if problem:
+                fields.setdefault(name, []).append(problem)
+    messages = getattr(request, "messages", UNSET)
+    if messages is not UNSET:
+        for index, message in enumerate(messages):
+            if not isinstance(message.get("role"), str):
+                fields.setdefault("messages", []).append(
+                    f'messages[{index}] must be an object with a string "role"'
+                )
+            content = message.get("content")
+            if content is not None and not isinstance(content, str | list):
+                fields.setdefault("messages", []).append(
+                    f"messages[{index}].content must be a string, a list of text parts or null"
+                )
+    if isinstance(request, ScoreRequest):
+        given = [name for name in INPUTS if getattr(request, name) is not UNSET]
+        if len(given) != 1:
+            problem = "none was given" if not given else f"got {', '.join(given)}"
+            fields.setdefault("non_field_errors", []).append(
+                f"send exactly one of prompt, messages or token_ids ({problem})"
+            )
+        elif given[0] != "messages":
+            chat_only = [name for name in CHAT_ONLY if getattr(request, name)]
+            if request.add_generation_prompt is not None:
+                chat_only.append("add_generation_prompt")
+            if request.continue_final_message:
+                chat_only.append("continue_final_message")
+            for name in chat_only:
+                fields.setdefault(name, []).append(f"only applies to messages, not to {given[0]}")
+    if fields:
+        raise invalid(fields)
+
+
+def _unicode_problem(text: str) -> str | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"is not valid Unicode text (a lone surrogate at character {error.start})"
+    return None
+
+
+# --- documentation ------------------------------------------------------------------------------
+
+
+def openapi_components() -> dict[str, Any]:
+    """JSON Schema of every request body, as OpenAPI ``components/schemas`` (``$ref`` names are
+    the struct names)."""
+    _, components = msgspec.json.schema_components(
+        [ScoreCompletionsRequest, ScoreChatCompletionsRequest, ScoreRequest, ScoreBatchRequest],
+        ref_template="#/components/schemas/{name}",
+    )
+    # msgspec.Raw has no schema of its own: each item is a ScoreRequest.
+    items = components["ScoreBatchRequest"]["properties"]["requests"]
+    items["items"] = {"$ref": "#/components/schemas/ScoreRequest"}
+    return components

@@ -1,0 +1,71 @@
+"""``manage.py serve``: the production web server.
+
+One ASGI application (``kvsite.asgi``: the scoring fast path, Django and Channels websockets)
+under uvicorn (uvloop, httptools), in ``--workers`` processes sharing one port. With several
+workers, prometheus_client's multiprocess mode (a fresh ``PROMETHEUS_MULTIPROC_DIR``) lets any
+worker's ``/metrics`` report all of them. SIGTERM or SIGINT: stop accepting, let in-flight
+requests finish for up to ``--graceful-seconds``, close websockets, exit 0. ``runserver`` stays for
+development.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandParser
+
+APPLICATION = "kvsite.asgi:application"
+
+
+class Command(BaseCommand):
+    help = "Serve the web application (scoring fast path, Django, websockets) with uvicorn workers."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+        parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+        parser.add_argument(
+            "--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: the cores)"
+        )
+        parser.add_argument(
+            "--graceful-seconds",
+            type=float,
+            default=8.0,
+            help="how long in-flight requests may finish after SIGTERM (default 8; the whole exit stays "
+            "under 10 s)",
+        )
+        parser.add_argument("--access-log", action="store_true", help="log every request (off: it costs)")
+
+    def handle(self, *args: Any, host: str, port: int, workers: int, graceful_seconds: float, **options: Any):
+        if workers < 1:
+            self.stderr.write("--workers must be at least 1")
+            raise SystemExit(2)
+        if workers > 1:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_fresh_metrics_dir(port))
+        self.stdout.write(f"Serving {APPLICATION} on http://{host}:{port} with {workers} worker(s)")
+        uvicorn.run(
+            APPLICATION,
+            host=host,
+            port=port,
+            workers=workers,
+            loop="uvloop",
+            http="httptools",
+            ws="websockets",
+            lifespan="on",
+            timeout_graceful_shutdown=graceful_seconds,
+            access_log=options["access_log"],
+            log_level="info",
+            proxy_headers=False,
+        )
+
+
+def _fresh_metrics_dir(port: int) -> Path:
+    """An empty directory for this server's worker metrics (the last run's counts are not ours)."""
+    directory = Path(settings.VAR_DIR) / f"metrics-{port}"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    return directory
