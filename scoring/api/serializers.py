@@ -66,6 +66,7 @@ class ModelConfigSerializer(serializers.ModelSerializer):
             "tier_weights",
             "other_tier_weight",
             "lora_adapters",
+            "max_model_len",
             "updated_at",
         ]
         read_only_fields = ["updated_at"]
