@@ -210,6 +210,11 @@ class TokenizerRegistry:
         flight.set_result(loaded)
         return loaded
 
+    def loaded(self, model: str) -> LoadedTokenizer | None:
+        """The model's tokenizer if it is loaded already (never loads, never probes a source)."""
+        with self._lock:
+            return self._loaded.get(model)
+
     def cached_models(self) -> list[str]:
         """Models whose tokenizer is loaded, least recently used first."""
         with self._lock:

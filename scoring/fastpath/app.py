@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 BEARER_HINT = "this endpoint needs an API key: send the header 'Authorization: Bearer <key>'"
 JSON_HEADERS = [(b"content-type", b"application/json")]
+INLINE_MAX_TOKENS = 4096
+"""``/api/v1/score`` token ids up to this many are scored on the event loop (``_inline``)."""
 
 
 @dataclass(frozen=True, slots=True)

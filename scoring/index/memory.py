@@ -161,6 +161,8 @@ class MemoryIndex:
     consistent.
     """
 
+    in_process = True  # lookups do no I/O: the fast path may run them on its event loop
+
     def __init__(
         self,
         *,
