@@ -295,7 +295,6 @@ class PrefixStore:
                 chunks.popitem(last=False)
 
 
-@functools.lru_cache(maxsize=256)
 class TooManyTokens(ValueError):
     """A prompt longer than the caller's limit (the model's context length)."""
 
@@ -311,6 +310,7 @@ def _within(tokens: _Sized, max_tokens: int | None) -> _Sized:
     return tokens
 
 
+@functools.lru_cache(maxsize=256)
 def _seed(tokenizer_key: str) -> int:
     return xxhash.xxh64_intdigest(tokenizer_key.encode("utf-8"))
 

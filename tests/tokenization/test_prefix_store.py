@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from scoring.prefix_store import Encoding, PrefixStore, chunk_char_ends
+from scoring.prefix_store import Encoding, PrefixStore, TooManyTokens, chunk_char_ends
 from scoring.tokenization import LoadedTokenizer, TokenizerRegistry
 from tests.tokenization import train_tiny_tokenizer
 
@@ -193,6 +193,22 @@ def test_the_lru_holds_at_most_capacity_chunks_and_evicts_the_oldest(
     assert len(store) == 10
     # The first 30 chunks were evicted: the chain breaks at chunk 0.
     assert store.tokenize(qwen, prompt).from_prefix_store is False
+
+
+def test_a_prompt_over_max_tokens_is_refused_before_anything_is_stored(
+    qwen: LoadedTokenizer, english: str
+) -> None:
+    store = PrefixStore()
+    count = len(qwen.encode(english).ids)
+    with pytest.raises(TooManyTokens) as refused:
+        store.tokenize(qwen, english, max_tokens=count - 1)
+    assert (refused.value.count, refused.value.limit) == (count, count - 1)
+    assert len(store) == 0
+    assert store.tokenize(qwen, english, max_tokens=count).token_ids == qwen.encode(english).ids
+    with pytest.raises(TooManyTokens):  # also when the tokens come from the store
+        store.tokenize(qwen, english, max_tokens=count - 1)
+    with pytest.raises(TooManyTokens):  # and below one chunk, where the store is bypassed
+        store.tokenize(qwen, "a short prompt", max_tokens=1)
 
 
 def test_capacity_zero_disables_the_store(qwen: LoadedTokenizer, english: str) -> None:
