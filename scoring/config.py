@@ -14,6 +14,10 @@ from types import MappingProxyType
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu": 0.8})
 DEFAULT_OTHER_TIER_WEIGHT = 0.5
 
+BACKGROUND_NICENESS = 10
+"""How much lower the CPU priority of bulk work (large prompts, request templates) is than the
+web process's: under contention for the cores, small scoring requests go first."""
+
 DP_RANK_SEPARATOR = "#dp"
 """Data-parallel rank r > 0 of pod P is indexed as ``P#dp<r>`` (``ingest.applier.holder_id``)."""
 

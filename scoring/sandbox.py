@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import resource
@@ -50,6 +51,7 @@ from scoring.chat import (
     plain_data,
     render_template,
 )
+from scoring.config import BACKGROUND_NICENESS
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +382,7 @@ def _serve(connection: Connection, limits: TemplateLimits, cpu_seconds: float, m
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the web process's to handle
     signal.signal(signal.SIGPROF, signal.SIG_DFL)  # the CPU timer's signal terminates the process
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    os.nice(BACKGROUND_NICENESS)  # a template's CPU goes to the web process's requests first
     render_template("{{ messages[0].content }}", [{"role": "user", "content": "ready"}], limits=limits)
     connection.send_bytes(_READY)
     while True:

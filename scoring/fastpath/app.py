@@ -23,8 +23,11 @@ snapshot and the template sandbox come in as arguments.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import os
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +36,7 @@ from typing import Any
 import orjson
 
 from scoring import read_path
-from scoring.config import ServiceConfig
+from scoring.config import BACKGROUND_NICENESS, ServiceConfig
 from scoring.fastpath import metrics
 from scoring.fastpath.errors import error_body, from_core
 from scoring.fastpath.schema import (
@@ -278,7 +281,9 @@ class ScoringApp:
         settings = self.handles.settings()
         if bulk:
             if self._bulk is None:
-                self._bulk = ThreadPoolExecutor(settings.bulk_threads, thread_name_prefix="score-bulk")
+                self._bulk = ThreadPoolExecutor(
+                    settings.bulk_threads, thread_name_prefix="score-bulk", initializer=_lower_priority
+                )
             pool = self._bulk
         else:
             if self._pool is None:
@@ -351,6 +356,16 @@ def _as_error(exc: Exception) -> RequestError:
         logger.error("unhandled error in a batch item", exc_info=exc)
         error = RequestError(500, "internal_error", "internal error (logged on the server)")
     return error
+
+
+def _lower_priority() -> None:
+    """Run this thread at a lower CPU priority (Linux sets niceness per thread)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(
+            os.PRIO_PROCESS,
+            threading.get_native_id(),
+            os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICENESS,
+        )
 
 
 def _authenticate(header: bytes | None, keys: tuple[str, ...]) -> None:
