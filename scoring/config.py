@@ -48,14 +48,15 @@ class ModelSettings:
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
-    """A consistent snapshot of the registry: the hash seed, per-model settings, disabled pods
-    and the pods' addresses (``pod -> host:port``, only pods that have one)."""
+    """A consistent snapshot of the registry: the hash seed, per-model settings, disabled pods,
+    the pods' addresses (``pod -> host:port``, only pods that have one) and the models pods serve."""
 
     seed: str = ""
     default_block_size: int = 16
     models: Mapping[str, ModelSettings] = field(default_factory=dict)
     disabled_pods: frozenset[str] = frozenset()
     pod_addresses: Mapping[str, str] = field(default_factory=dict)
+    pod_models: frozenset[str] = frozenset()  # the models registered pods serve
 
     def model(self, name: str) -> ModelSettings:
         """Settings of ``name``; a model without a config gets the defaults."""

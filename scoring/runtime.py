@@ -22,7 +22,7 @@ from scoring.prefix_store import PrefixStore
 from scoring.sandbox import TemplateSandbox
 from scoring.selectors import load_service_config
 from scoring.snapshot import ConfigSource
-from scoring.tokenization import TokenizerRegistry
+from scoring.tokenization import TokenizerError, TokenizerRegistry
 
 CONFIG_REFRESH_SECONDS = 2.0
 """How stale a process's view of the registry may be (the promise is: live within 5 s)."""
@@ -123,6 +123,20 @@ def build_tokenizers(*, prefix_store: PrefixStore | None = None) -> TokenizerReg
         allow_hub=settings.KVCACHE_ALLOW_HUB,
         prefix_store=prefix_store,
     )
+
+
+def warm_tokenizers(config: ServiceConfig) -> list[str]:
+    """Load the tokenizer of every model the registry knows (model configs and pods' models);
+    returns the models that have one. A model without one is skipped (it is answered 404)."""
+    registry = get_tokenizers(config)
+    warmed = []
+    for model in sorted(set(config.models) | set(config.pod_models)):
+        try:
+            registry.get(model)
+        except TokenizerError:
+            continue
+        warmed.append(model)
+    return warmed
 
 
 def _latest_config() -> ServiceConfig:

@@ -35,8 +35,9 @@ def load_service_config() -> ServiceConfig:
         )
         for m in ModelConfig.objects.all()
     }
-    disabled, addresses = set(), {}
-    for pod_id, enabled, address in Pod.objects.values_list("pod_id", "enabled", "address"):
+    disabled, addresses, pod_models = set(), {}, set()
+    for pod_id, model, enabled, address in Pod.objects.values_list("pod_id", "model", "enabled", "address"):
+        pod_models.add(model)
         if not enabled:
             disabled.add(pod_id)
         if address:
@@ -47,6 +48,7 @@ def load_service_config() -> ServiceConfig:
         models=models,
         disabled_pods=frozenset(disabled),
         pod_addresses=addresses,
+        pod_models=frozenset(pod_models),
     )
 
 

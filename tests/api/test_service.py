@@ -9,6 +9,7 @@ import time
 import pytest
 import redis
 import yaml
+from asgiref.sync import async_to_sync
 
 from scoring.streams import publish_snapshot
 from tests.api.conftest import MODEL, post
@@ -148,3 +149,26 @@ def test_metrics_include_the_ingest_processes_counters(client, index, redis_url)
 def test_metrics_say_when_the_ingest_stats_cannot_be_read(client, index, settings):
     settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
     assert sample(metrics_text(client), "kvcache_ingest_stats_up") == 0
+
+
+def test_start_up_loads_the_registrys_tokenizers_before_any_request(db):
+    from kvsite.asgi import application
+    from scoring import runtime
+    from scoring.models import Pod
+
+    Pod.objects.create(pod_id="pod-a", model=MODEL)
+    Pod.objects.create(pod_id="pod-b", model="nobody/unknown-model")
+    runtime.invalidate_service_config()
+    runtime.set_tokenizers(runtime.build_tokenizers())
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[str] = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message["type"])
+
+    async_to_sync(application)({"type": "lifespan"}, receive, send)
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert runtime.get_tokenizers().cached_models() == [MODEL]  # the unknown one is skipped
