@@ -33,6 +33,7 @@ ExtraKeys = tuple | None
 
 _U64 = (1 << 64) - 1
 _sha256 = hashlib.sha256
+_key = struct.Struct(">Q").unpack_from  # a 32-byte digest's block key: its bytes 24..32
 
 DEFAULT_BLOCK_SIZE = 16
 DIGEST_SIZE = 32
@@ -154,12 +155,14 @@ def chain_digests(
     # Only the parent differs from block to block: encode the tokens and the extra keys once.
     encoded = _encode_tokens(tokens[:n])
     array_head, tail = _array_head(block_size), _encode_extra(extra)
+    sha256 = _sha256
     join = b"".join
     out: list[Digest] = []
     prev = parent
+    head = _block_head(prev)
     for i in range(0, n, block_size):
-        body = join(encoded[i : i + block_size])
-        prev = _sha256(join((_block_head(prev), prev, array_head, body, tail))).digest()
+        prev = sha256(join((head, prev, array_head, join(encoded[i : i + block_size]), tail))).digest()
+        head = _BLOCK_HEAD_32  # every digest after the first parent is 32 bytes long
         out.append(prev)
     return out
 
@@ -179,7 +182,7 @@ def block_keys(
     """
     start = parent if parent is not None else root_digest(seed)
     extra = extra_keys(lora_name=lora_name)
-    return [key_of(d) for d in chain_digests(tokens, block_size=block_size, parent=start, extra=extra)]
+    return [_key(d, 24)[0] for d in chain_digests(tokens, block_size=block_size, parent=start, extra=extra)]
 
 
 def extra_keys(*, lora_name: str | None = None) -> ExtraKeys:

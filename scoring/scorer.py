@@ -39,6 +39,7 @@ def longest_prefix_scores(
     score = dict.fromkeys(active, 0.0)
     matched = dict.fromkeys(active, 0)
     weakest: dict[str, tuple[float, str]] = {}
+    best_of: dict[frozenset[str], tuple[float, str]] = {}  # a tier set's best (weight, tier)
     # The blocks of a shared prefix usually have the same holders: score each run of equal
     # holder maps once, times its length.
     for block, run in _runs(holders):
@@ -46,11 +47,15 @@ def longest_prefix_scores(
         if not active:
             break
         for pod in active:
-            best_weight, best_tier = max((tier_weight(t), t) for t in block[pod])
+            tiers = block[pod]
+            best = best_of.get(tiers)
+            if best is None:
+                best = best_of[tiers] = max((tier_weight(t), t) for t in tiers)
+            best_weight = best[0]
             score[pod] += best_weight * run
             matched[pod] += run
             if pod not in weakest or best_weight < weakest[pod][0]:
-                weakest[pod] = (best_weight, best_tier)
+                weakest[pod] = best
     return {
         pod: PodScore(
             score=score[pod],

@@ -200,10 +200,29 @@ class ScoringApp:
     async def _score(self, body: bytes, settings: FastPathSettings) -> _Answer:
         request = decode(body, ScoreRequest, max_depth=settings.max_json_depth)
         config = await self.handles.config.aget()
-        result = await self._run(
-            _is_bulk(body, request, settings), self._score_one, request, config, settings
-        )
+        if self._inline(request, config):
+            keyed = self._key(request, config, settings)
+            index = self.handles.index()
+            if getattr(index, "in_process", False):
+                result = read_path.look_up(index, keyed, config=config)
+            else:  # a network round trip: never on the event loop (a frozen server would stall it)
+                result = await self._run(False, read_path.look_up, index, keyed, config=config)
+        else:
+            bulk = _is_bulk(body, request, settings)
+            result = await self._run(bulk, self._score_one, request, config, settings)
         return _Answer(score_body(result, config), result)
+
+    def _inline(self, request: ScoreRequest, config: ServiceConfig) -> bool:
+        """Token ids short enough to key in well under a millisecond, for a model whose context
+        length is known without loading anything, are keyed on the event loop (and looked up there
+        too when the index is in this process): a thread hop and the GIL hand-offs around it would
+        cost more than the work, and its tail more still."""
+        token_ids = request.token_ids
+        if not token_ids or len(token_ids) > INLINE_MAX_TOKENS:
+            return False
+        if config.model(request.model).max_model_len is not None:
+            return True
+        return self.handles.tokenizers(config).loaded(request.model) is not None
 
     async def _score_batch(self, body: bytes, settings: FastPathSettings) -> _Answer:
         batch = decode(body, ScoreBatchRequest, max_depth=settings.max_json_depth)

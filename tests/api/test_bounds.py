@@ -66,10 +66,12 @@ def test_unknown_models_leave_no_cache_entry_behind(client, tokenizers):
     assert len(tokenizers.prefix_store) == stored
 
 
-def test_model_labels_in_metrics_stay_bounded():
+def test_model_labels_in_metrics_stay_bounded(monkeypatch):
+    monkeypatch.setattr(metrics, "_model_labels", set())  # this process's labels stay as they were
     labels = {metrics.model_label(f"Qwen/Qwen3-fake-{i}") for i in range(metrics.MAX_MODEL_LABELS * 3)}
-    assert len(labels) <= metrics.MAX_MODEL_LABELS + 1
+    assert len(labels) == metrics.MAX_MODEL_LABELS + 1
     assert metrics.OTHER_MODELS in labels
+    assert metrics.model_label("Qwen/Qwen3-fake-0") == "Qwen/Qwen3-fake-0"  # a labelled model keeps its label
 
 
 # --- JSON ------------------------------------------------------------------------------------------
