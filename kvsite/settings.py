@@ -15,6 +15,7 @@
 | KVCACHE_TOKENIZERS_DIR | "" (none) | tokenizer discovery root (HF-cache or ``org/name/`` layout) |
 | KVCACHE_ALLOW_HUB | false | download tokenizers from the model hub when no local source has one |
 | KVCACHE_PREFIX_STORE_CAPACITY | 500000 | prompt chunks the tokenization prefix store keeps (0 disables it) |
+| KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
 | KVCACHE_REQUEST_TEMPLATES | true | accept ``chat_template`` in scoring requests (rendered in a sandbox) |
 | KVCACHE_TEMPLATE_CPU_MS | 250 | CPU time a request's chat template may use (over it: 422) |
@@ -186,6 +187,7 @@ KVCACHE_TRUSTED_PROXIES = env_list("KVCACHE_TRUSTED_PROXIES")
 KVCACHE_MAX_JSON_DEPTH = int(os.environ.get("KVCACHE_MAX_JSON_DEPTH", "64"))
 
 # --- bounded work per scoring request (the fast path: scoring/fastpath/app.py) ---------------------
+KVCACHE_LARGE_PROMPT_CHARS = int(os.environ.get("KVCACHE_LARGE_PROMPT_CHARS", str(256 * 1024)))
 KVCACHE_SCORING_THREADS = int(os.environ.get("KVCACHE_SCORING_THREADS", "8"))
 KVCACHE_REQUEST_TEMPLATES = env_bool("KVCACHE_REQUEST_TEMPLATES", True)
 KVCACHE_TEMPLATE_CPU_MS = float(os.environ.get("KVCACHE_TEMPLATE_CPU_MS", "250"))

@@ -138,12 +138,7 @@ class PrefixStore:
         oversized prompt costs the tokenizer's time only).
         """
         started = time.perf_counter()
-        try:
-            data = prompt.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(
-                f"the prompt is not valid Unicode text: {error.reason} at {error.start}"
-            ) from error
+        data = check_unicode(prompt)
         n_chunks = len(data) // self.chunk_bytes
         if self.capacity == 0 or n_chunks == 0 or not tokenizer.supports_prefix_reuse:
             ids = _within(tokenizer.encode(prompt), max_tokens).ids
@@ -293,6 +288,15 @@ class PrefixStore:
                 chunks.move_to_end(chunk_hash)
             while len(chunks) > self.capacity:
                 chunks.popitem(last=False)
+
+
+def check_unicode(prompt: str) -> bytes:
+    """The prompt's UTF-8 bytes; ValueError for text that is not valid Unicode (a lone surrogate,
+    which JSON can carry)."""
+    try:
+        return prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"the prompt is not valid Unicode text: {error.reason} at {error.start}") from error
 
 
 class TooManyTokens(ValueError):

@@ -18,6 +18,7 @@ from django.dispatch import receiver
 from scoring.config import ServiceConfig
 from scoring.fastpath.app import FastPathSettings, Handles, ScoringApp
 from scoring.index import KVIndex, open_index
+from scoring.large_prompts import LargePromptTokenizer
 from scoring.prefix_store import PrefixStore
 from scoring.sandbox import TemplateSandbox
 from scoring.selectors import load_service_config
@@ -122,20 +123,24 @@ def build_tokenizers(*, prefix_store: PrefixStore | None = None) -> TokenizerReg
         model_sources=lambda model: _latest_config().model(model).tokenizer_source or None,
         allow_hub=settings.KVCACHE_ALLOW_HUB,
         prefix_store=prefix_store,
+        large_prompts=_large_prompts(),
     )
 
 
 def warm_tokenizers(config: ServiceConfig) -> list[str]:
-    """Load the tokenizer of every model the registry knows (model configs and pods' models);
-    returns the models that have one. A model without one is skipped (it is answered 404)."""
+    """Load the tokenizer of every model the registry knows (model configs and pods' models), here
+    and in the large-prompt child process; returns the models that have one. A model without one
+    is skipped (it is answered 404)."""
     registry = get_tokenizers(config)
-    warmed = []
+    warmed, files = [], set()
     for model in sorted(set(config.models) | set(config.pod_models)):
         try:
-            registry.get(model)
+            files.add(str(registry.get(model).path))
         except TokenizerError:
             continue
         warmed.append(model)
+    if registry.large_prompts is not None:
+        registry.large_prompts.warm(sorted(files))
     return warmed
 
 
@@ -143,6 +148,27 @@ def _latest_config() -> ServiceConfig:
     # A tokenizer loads in a worker thread while its request holds a fresh snapshot: read that,
     # not the database (which another thread's transaction may not show yet).
     return config_source.current() or service_config()
+
+
+_large_prompt_tokenizer: LargePromptTokenizer | None = None
+
+
+def _large_prompts() -> LargePromptTokenizer | None:
+    """The child process for prompts of ``KVCACHE_LARGE_PROMPT_CHARS`` or more (none when 0): one
+    per process, kept when the tokenizer registry is rebuilt."""
+    global _large_prompt_tokenizer
+    min_chars = settings.KVCACHE_LARGE_PROMPT_CHARS
+    if min_chars <= 0:
+        return None
+    if _large_prompt_tokenizer is None:
+        _large_prompt_tokenizer = LargePromptTokenizer(min_chars=min_chars)
+    _large_prompt_tokenizer.min_chars = min_chars
+    return _large_prompt_tokenizer
+
+
+def close_large_prompts() -> None:
+    if _large_prompt_tokenizer is not None:
+        _large_prompt_tokenizer.close()
 
 
 def set_tokenizers(registry: TokenizerRegistry | None) -> None:

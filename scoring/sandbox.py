@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import multiprocessing
-import os
 import pickle
 import queue
 import resource
@@ -51,7 +50,7 @@ from scoring.chat import (
     plain_data,
     render_template,
 )
-from scoring.config import BACKGROUND_NICENESS
+from scoring.config import lower_priority
 
 logger = logging.getLogger(__name__)
 
@@ -349,6 +348,7 @@ class _Pool:
             if self.closed:
                 return None
             process.start()
+            lower_priority(process.pid)  # now, before the child spends its start-up CPU
             worker = _Worker(process, ours)
             self.workers.add(worker)  # from now on close() stops it, even while it starts
         theirs.close()
@@ -382,7 +382,6 @@ def _serve(connection: Connection, limits: TemplateLimits, cpu_seconds: float, m
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the web process's to handle
     signal.signal(signal.SIGPROF, signal.SIG_DFL)  # the CPU timer's signal terminates the process
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    os.nice(BACKGROUND_NICENESS)  # a template's CPU goes to the web process's requests first
     render_template("{{ messages[0].content }}", [{"role": "user", "content": "ready"}], limits=limits)
     connection.send_bytes(_READY)
     while True:

@@ -39,7 +39,8 @@ from pathlib import Path
 from tokenizers import Encoding, Tokenizer
 
 from scoring.chat import ChatTemplates
-from scoring.prefix_store import PrefixStore, Tokenization, TooManyTokens
+from scoring.large_prompts import LargePromptTokenizer
+from scoring.prefix_store import PrefixStore, Tokenization, TooManyTokens, check_unicode
 
 __all__ = [
     "LoadedTokenizer",
@@ -157,6 +158,7 @@ class TokenizerRegistry:
         hub_endpoint: str | None = None,
         hub_cache_dir: Path | None = None,
         prefix_store: PrefixStore | None = None,
+        large_prompts: LargePromptTokenizer | None = None,
     ) -> None:
         if cache_size < 1:
             raise ValueError("cache_size must be at least 1")
@@ -170,6 +172,7 @@ class TokenizerRegistry:
         self.hub_endpoint = hub_endpoint
         self.hub_cache_dir = hub_cache_dir
         self.prefix_store = prefix_store if prefix_store is not None else PrefixStore()
+        self.large_prompts = large_prompts
         self.load_count = 0  # tokenizer.json files parsed: what the LRU and single flight save
         self._loaded: OrderedDict[str, LoadedTokenizer] = OrderedDict()
         self._in_flight: dict[str, Future[LoadedTokenizer]] = {}
@@ -177,10 +180,18 @@ class TokenizerRegistry:
         self._lock = threading.Lock()
 
     def tokenize(self, model: str, prompt: str, *, max_tokens: int | None = None) -> Tokenization:
-        """The prompt's token ids for ``model`` (no special tokens added), via the prefix store.
-        Raises :class:`TokenizerError` when the model has no usable tokenizer, and
-        ``TooManyTokens`` for a prompt longer than ``max_tokens``."""
-        return self.prefix_store.tokenize(self.get(model), prompt, max_tokens=max_tokens)
+        """The prompt's token ids for ``model`` (no special tokens added), via the prefix store, or
+        in ``large_prompts``' child process for a prompt of at least its ``min_chars``. Raises
+        :class:`TokenizerError` when the model has no usable tokenizer, ``TooManyTokens`` for a
+        prompt longer than ``max_tokens`` and ``ValueError`` for text that is not valid Unicode."""
+        loaded = self.get(model)
+        large = self.large_prompts
+        if large is None or len(prompt) < large.min_chars:
+            return self.prefix_store.tokenize(loaded, prompt, max_tokens=max_tokens)
+        check_unicode(prompt)
+        started = time.perf_counter()
+        ids = large.token_ids(str(loaded.path), prompt, max_tokens=max_tokens)
+        return Tokenization(ids, from_prefix_store=False, elapsed=time.perf_counter() - started)
 
     def get(self, model: str) -> LoadedTokenizer:
         """The model's tokenizer, loading it on first use. Concurrent first uses load it once."""

@@ -23,10 +23,8 @@ snapshot and the template sandbox come in as arguments.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
-import os
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +34,7 @@ from typing import Any
 import orjson
 
 from scoring import read_path
-from scoring.config import BACKGROUND_NICENESS, ServiceConfig
+from scoring.config import ServiceConfig, lower_priority
 from scoring.fastpath import metrics
 from scoring.fastpath.errors import error_body, from_core
 from scoring.fastpath.schema import (
@@ -301,7 +299,9 @@ class ScoringApp:
         if bulk:
             if self._bulk is None:
                 self._bulk = ThreadPoolExecutor(
-                    settings.bulk_threads, thread_name_prefix="score-bulk", initializer=_lower_priority
+                    settings.bulk_threads,
+                    thread_name_prefix="score-bulk",
+                    initializer=_lower_thread_priority,
                 )
             pool = self._bulk
         else:
@@ -377,14 +377,8 @@ def _as_error(exc: Exception) -> RequestError:
     return error
 
 
-def _lower_priority() -> None:
-    """Run this thread at a lower CPU priority (Linux sets niceness per thread)."""
-    with contextlib.suppress(OSError):
-        os.setpriority(
-            os.PRIO_PROCESS,
-            threading.get_native_id(),
-            os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICENESS,
-        )
+def _lower_thread_priority() -> None:
+    lower_priority(threading.get_native_id())
 
 
 def _authenticate(header: bytes | None, keys: tuple[str, ...]) -> None:
