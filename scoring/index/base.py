@@ -112,7 +112,8 @@ class KVIndex(Protocol):
         """Holders of ``keys`` in order, restricted to ``pods`` when given, stopping before the
         first key that has no (remaining) holder: the result is the longest held run from
         ``keys[0]``, which is all that prefix scoring needs. One round trip. An empty ``pods``
-        matches nothing (``[]``); each returned map is the caller's to keep or change."""
+        matches nothing (``[]``). The maps are read-only: blocks with the same holders may share
+        one map object (the scorer then scores their run at the cost of one)."""
 
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         """``lookup`` for each ``(keys, pods)`` query under ``model``, in order, in one round trip."""

@@ -503,7 +503,7 @@ def _held_run(values: Sequence[bytes | None], wanted: Collection[str] | None) ->
     """The holders of the longest held run in an ``MGET``'s answer, restricted to ``wanted``.
 
     Each distinct block value is parsed (and filtered) once: the blocks of a shared prefix are
-    held by the same entries, so most keys cost a dict look-up and a copy."""
+    held by the same entries, so most keys cost a dict look-up, and share one map."""
     parsed: dict[bytes, HolderMap] = {}
     out: list[HolderMap] = []
     for value in values:
@@ -517,7 +517,7 @@ def _held_run(values: Sequence[bytes | None], wanted: Collection[str] | None) ->
             parsed[value] = holders
         if not holders:
             break
-        out.append(holders.copy())
+        out.append(holders)  # the same map for every block with the same holders (read-only)
     return out
 
 
