@@ -253,7 +253,8 @@ def _explain(data: Any, kind: type[Struct], message: str) -> RequestError:
         path = where.rstrip("`")
         field = path.lstrip(".").split("[", 1)[0].split(".", 1)[0]
         location = path.lstrip(".")
-        fields.setdefault(field, []).append(f"{location}: {_plain(problem)}")
+        where = "" if location == field else f"at {location}: "
+        fields.setdefault(field, []).append(where + _plain(problem))
     elif not problem.startswith("Object missing required field"):
         fields.setdefault("non_field_errors", []).append(_plain(problem))
     return invalid(fields)
