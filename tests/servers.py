@@ -27,6 +27,21 @@ def wait_until(condition: Callable[[], object], *, timeout: float = 5.0, what: s
         time.sleep(0.01)
 
 
+def service_env(tmp_path: Path, redis_url: str, **extra: str) -> dict[str, str]:
+    """The environment of a project process under test (``manage.py serve``, ``ingest``...): the
+    test Redis as index, a database and var dir of its own under ``tmp_path``, the captures' seed."""
+    return {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "KVCACHE_INDEX_BACKEND": "redis",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "KVCACHE_VAR_DIR": str(tmp_path),
+        "KVCACHE_HASH_SEED": "42",
+        "DJANGO_SETTINGS_MODULE": "kvsite.settings",
+        **extra,
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,23 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests.dashboard.conftest import ROOT, Process
-from tests.servers import free_port, wait_until
+from tests.servers import free_port, service_env, wait_until
 
 MODEL = "Qwen/Qwen3-0.6B"
 
 
 @pytest.fixture
 def server(tmp_path: Path, redis_url: str) -> Iterator[dict]:
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_url,
-        "KVCACHE_INDEX_BACKEND": "redis",
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
-        "KVCACHE_VAR_DIR": str(tmp_path),
-        "KVCACHE_HASH_SEED": "42",
-        "DJANGO_SETTINGS_MODULE": "kvsite.settings",
-        "HF_HUB_OFFLINE": "1",
-    }
+    env = service_env(tmp_path, redis_url, HF_HUB_OFFLINE="1")
     subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
     port = free_port()
     web = Process(

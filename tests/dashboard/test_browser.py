@@ -21,7 +21,7 @@ from ingest.events import BlockRemoved, encode_batch, encode_message
 from tests.dashboard.conftest import ROOT, Process
 from tests.events import stored_event
 from tests.ingest.conftest import MODEL
-from tests.servers import free_port
+from tests.servers import free_port, service_env
 
 pytestmark = pytest.mark.browser
 
@@ -59,16 +59,7 @@ def stack(tmp_path, redis_url) -> Iterator[dict]:
     layer)."""
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: run `make system-deps`")
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_url,
-        "KVCACHE_INDEX_BACKEND": "redis",
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
-        "KVCACHE_VAR_DIR": str(tmp_path),
-        "KVCACHE_HASH_SEED": "42",
-        "DJANGO_SETTINGS_MODULE": "kvsite.settings",
-        "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
-    }
+    env = service_env(tmp_path, redis_url, DJANGO_SUPERUSER_PASSWORD=PASSWORD)
     manage = [sys.executable, "manage.py"]
     subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
     subprocess.run(

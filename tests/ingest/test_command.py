@@ -4,7 +4,6 @@ metrics served, SIGTERM drains and exits 0."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -23,22 +22,14 @@ from scoring.keys import block_keys
 from scoring.streams import STATS_KEY
 from tests.events import stored_event
 from tests.ingest.conftest import MODEL, wait_until
-from tests.servers import free_port
+from tests.servers import free_port, service_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def ingest_process(tmp_path, redis_url):
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_url,
-        "KVCACHE_INDEX_BACKEND": "redis",
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
-        "KVCACHE_VAR_DIR": str(tmp_path),
-        "KVCACHE_HASH_SEED": "42",
-        "DJANGO_SETTINGS_MODULE": "kvsite.settings",
-    }
+    env = service_env(tmp_path, redis_url)
     subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
