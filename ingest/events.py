@@ -24,6 +24,7 @@ per-field reflection.
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -415,7 +416,8 @@ def decode_batch(payload: bytes) -> EventBatch:
 
     Raises ``DecodeError`` with reason ``"msgpack"`` (not one complete msgpack value) or
     ``"batch"`` (not an array ``[ts, events, rank?]`` or a map with ``ts`` and ``events``). Events
-    that cannot be decoded are left out of ``events`` and reported in ``errors`` with their index.
+    that cannot be decoded are left out of ``events`` and reported in ``errors`` with their index;
+    a ``ts`` that is not finite is reported there too (without an index) and read as 0.0 (unknown).
     """
     try:
         obj = _unpackb(payload, raw=False, strict_map_key=False, use_list=False)
@@ -436,13 +438,18 @@ def decode_batch(payload: bytes) -> EventBatch:
         if type(ts) is not int:
             raise DecodeError("batch", f"ts must be a number, not {type(ts).__name__}")
         ts = float(ts)
+    errors: list[DecodeError] = []
+    if not math.isfinite(ts):
+        # The events are good: apply them, without a time (a NaN or an infinity would poison
+        # every latency statistic it reached), and count the bad field.
+        errors.append(DecodeError("batch", f"ts {ts!r} is not a finite number: applied without a time"))
+        ts = 0.0
     if type(events) is not tuple:
         raise DecodeError("batch", f"events must be an array, not {type(events).__name__}")
     if rank is not None and type(rank) is not int:
         raise DecodeError("batch", f"data_parallel_rank must be an int or nil, not {type(rank).__name__}")
 
     out: list[Event] = []
-    errors: list[DecodeError] = []
     append = out.append
     for i, ev in enumerate(events):
         try:

@@ -19,6 +19,9 @@ from prometheus_client.registry import Collector
 
 from scoring.streams import collect_families
 
+MAX_VISIBLE_SECONDS = 24 * 3600.0
+"""Event-to-visible latencies past this (either way) are clock disagreements, not latencies."""
+
 
 @dataclass(slots=True)
 class StreamStats:
@@ -90,7 +93,12 @@ class IngestStats:
         self.visible_sum = 0.0
 
     def observe_visible(self, seconds: float) -> None:
-        """Record one batch's event-to-visible latency (called by the worker that applied it)."""
+        """Record one batch's event-to-visible latency (called by the worker that applied it).
+        An engine clock slightly ahead of ours reads as 0; a latency beyond
+        ``MAX_VISIBLE_SECONDS`` either way says the clocks disagree, and is not recorded."""
+        if not -MAX_VISIBLE_SECONDS <= seconds <= MAX_VISIBLE_SECONDS:  # also False for NaN
+            return
+        seconds = max(0.0, seconds)
         self.recent_visible_latencies.append(seconds)
         self.visible_buckets[bisect_left(VISIBLE_BUCKETS, seconds)] += 1
         self.visible_sum += seconds

@@ -26,6 +26,7 @@ from ingest.events import (
     parse_seq,
     parse_topic,
 )
+from ingest.stats import MAX_VISIBLE_SECONDS, IngestStats
 
 U64 = 2**64 - 1
 
@@ -389,6 +390,15 @@ def test_every_error_of_a_batch_is_reported_with_its_index():
     assert [(e.reason, e.index) for e in batch.errors] == [("unknown_tag", 0), ("field", 2), ("event", 3)]
 
 
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), float("-inf")])
+def test_a_ts_that_is_not_finite_is_counted_and_the_events_still_apply(ts):
+    batch = decode_batch(pack([ts, [GOOD_STORED], 0]))
+    assert batch.events == (stored(),)
+    assert batch.ts == 0.0  # unknown: no lag or latency is computed from it
+    assert [(e.reason, e.index) for e in batch.errors] == [("batch", None)]
+    assert "not a finite number" in str(batch.errors[0])
+
+
 # --- unreadable payloads raise ------------------------------------------------------------------
 
 
@@ -645,3 +655,13 @@ def test_any_payload_either_decodes_or_raises_decode_error(payload):
         decode_batch(payload)
     except DecodeError as e:
         assert e.reason in ("msgpack", "batch")
+
+
+def test_latencies_the_clocks_cannot_explain_are_not_recorded():
+    stats = IngestStats()
+    for seconds in (float("nan"), float("inf"), -float("inf"), MAX_VISIBLE_SECONDS * 2, -1e300):
+        stats.observe_visible(seconds)
+    assert (sum(stats.visible_buckets), stats.visible_sum) == (0, 0.0)
+    stats.observe_visible(-0.002)  # an engine clock a little ahead of ours
+    stats.observe_visible(0.5)
+    assert (sum(stats.visible_buckets), stats.visible_sum) == (2, 0.5)
