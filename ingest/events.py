@@ -36,11 +36,13 @@ import msgpack
 from scoring.keys import normalize_hash
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "REASONS",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "DecodeError",
+    "DecodeLimits",
     "Event",
     "EventBatch",
     "Message",
@@ -66,9 +68,27 @@ REASONS: Final[Mapping[str, str]] = MappingProxyType(
         "event": "an event that is neither an array with a tag nor a map with a string 'type'",
         "unknown_tag": "an event of a type this decoder does not know (skipped, counted apart)",
         "field": "a known event with a field of the wrong type or shape",
+        "too_large": "a payload over the message size limit (the whole batch is skipped)",
+        "too_many_events": "a batch with more events than the limit (the whole batch is skipped)",
+        "too_many_blocks": "an event with more block hashes or token ids than the limit (skipped)",
     }
 )
 """Every ``DecodeError.reason``, with what it means. The keys are metric label values."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """How much one message may carry; past a limit the input is counted and skipped, never
+    applied in part. Defaults fit any real engine: vLLM batches a few events, and one event
+    holds at most a request's blocks (``max_model_len / block_size``)."""
+
+    max_message_bytes: int = 8 * 1024 * 1024
+    max_events: int = 4096
+    max_blocks: int = 65536
+    max_name_chars: int = 256  # pod and model names (topic parts)
+
+
+DEFAULT_LIMITS: Final = DecodeLimits()
 
 
 class DecodeError(Exception):
@@ -164,13 +184,15 @@ class Message:
 # --- framing -------------------------------------------------------------------------------------
 
 
-def parse_topic(topic: bytes, prefix: str = "kv@") -> tuple[str, str]:
+def parse_topic(
+    topic: bytes, prefix: str = "kv@", *, max_name_chars: int = DEFAULT_LIMITS.max_name_chars
+) -> tuple[str, str]:
     """``(pod, model)`` of a ``<prefix><pod>@<model>`` topic.
 
     The pod ends at the first ``@`` after the prefix and the model is everything after it, so
     model names keep their ``/`` and any ``@`` (``org/model@rev``), and pod ids such as
     ``10.0.0.1:8000`` pass unchanged. Raises ``DecodeError("topic")`` for non-UTF-8, a missing
-    prefix, or an empty pod or model.
+    prefix, an empty pod or model, or one longer than ``max_name_chars``.
     """
     try:
         text = bytes(topic).decode("utf-8")
@@ -180,7 +202,11 @@ def parse_topic(topic: bytes, prefix: str = "kv@") -> tuple[str, str]:
         raise DecodeError("topic", f"topic {text!r} does not start with {prefix!r}")
     pod, at, model = text[len(prefix) :].partition("@")
     if not at or not pod or not model:
-        raise DecodeError("topic", f"topic {text!r} is not {prefix}<pod>@<model>")
+        raise DecodeError("topic", f"topic {text[:300]!r} is not {prefix}<pod>@<model>")
+    if len(pod) > max_name_chars or len(model) > max_name_chars:
+        raise DecodeError(
+            "topic", f"a pod or model name longer than {max_name_chars} characters: {text[:80]!r}..."
+        )
     return pod, model
 
 
@@ -192,14 +218,16 @@ def parse_seq(frame: bytes) -> int:
     return int.from_bytes(frame[:SEQ_SIZE], "big")
 
 
-def decode_message(frames: list[bytes], prefix: str = "kv@") -> Message:
+def decode_message(
+    frames: list[bytes], prefix: str = "kv@", limits: DecodeLimits = DEFAULT_LIMITS
+) -> Message:
     """Decode a whole ``[topic, seq, payload]`` message; any other frame count is
     ``DecodeError("frames")``."""
     if len(frames) != 3:
         raise DecodeError("frames", f"expected 3 frames (topic, seq, payload), got {len(frames)}")
     topic, seq, payload = frames
-    pod, model = parse_topic(topic, prefix)
-    return Message(pod, model, parse_seq(seq), decode_batch(payload))
+    pod, model = parse_topic(topic, prefix, max_name_chars=limits.max_name_chars)
+    return Message(pod, model, parse_seq(seq), decode_batch(payload, limits))
 
 
 def encode_message(pod: str, model: str, seq: int, payload: bytes, prefix: str = "kv@") -> list[bytes]:
@@ -411,14 +439,19 @@ def _event(ev: object) -> Event:
     return decode(ev)
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_batch(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> EventBatch:
     """Decode one msgpack ``EventBatch`` payload, in any layout vLLM has used.
 
     Raises ``DecodeError`` with reason ``"msgpack"`` (not one complete msgpack value) or
     ``"batch"`` (not an array ``[ts, events, rank?]`` or a map with ``ts`` and ``events``). Events
     that cannot be decoded are left out of ``events`` and reported in ``errors`` with their index;
     a ``ts`` that is not finite is reported there too (without an index) and read as 0.0 (unknown).
+    ``limits``: a payload over ``max_message_bytes`` (before it is unpacked) or with more than
+    ``max_events`` events raises ``DecodeError`` (``too_large``, ``too_many_events``); an event with
+    more than ``max_blocks`` hashes or token ids is left out (``too_many_blocks``).
     """
+    if len(payload) > limits.max_message_bytes:
+        raise DecodeError("too_large", f"{len(payload)} bytes, over the limit of {limits.max_message_bytes}")
     try:
         obj = _unpackb(payload, raw=False, strict_map_key=False, use_list=False)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
@@ -446,14 +479,26 @@ def decode_batch(payload: bytes) -> EventBatch:
         ts = 0.0
     if type(events) is not tuple:
         raise DecodeError("batch", f"events must be an array, not {type(events).__name__}")
+    if len(events) > limits.max_events:
+        raise DecodeError("too_many_events", f"{len(events)} events, over the limit of {limits.max_events}")
     if rank is not None and type(rank) is not int:
         raise DecodeError("batch", f"data_parallel_rank must be an int or nil, not {type(rank).__name__}")
 
     out: list[Event] = []
     append = out.append
+    # Token ids are bounded through blocks: no real block holds more than 1024 tokens.
+    max_blocks, max_tokens = limits.max_blocks, limits.max_blocks * 1024
     for i, ev in enumerate(events):
         try:
-            append(_event(ev))
+            event = _event(ev)
+            if isinstance(event, BlockStored | BlockRemoved) and (
+                len(event.block_hashes) > max_blocks
+                or (isinstance(event, BlockStored) and len(event.token_ids) > max_tokens)
+            ):
+                raise DecodeError(
+                    "too_many_blocks", f"{len(event.block_hashes)} blocks, over the limit of {max_blocks}"
+                )
+            append(event)
         except DecodeError as e:
             errors.append(DecodeError(e.reason, e.message, i))
     return EventBatch(ts, tuple(out), rank, tuple(errors))

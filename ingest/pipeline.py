@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from ingest.applier import EventApplier
+from ingest.events import DEFAULT_LIMITS, DecodeLimits
 from ingest.pool import DecodingHandler, Receiver, ShardPool
 from ingest.stats import IngestStats
 from scoring.config import ServiceConfig
@@ -38,6 +39,7 @@ class IngestPipeline:
         queue_size: int = 10_000,
         context: zmq.Context | None = None,
         gc_freeze_seconds: float | None = 1.0,
+        limits: DecodeLimits = DEFAULT_LIMITS,
     ) -> None:
         self.stats = stats or IngestStats()
         self._gc_freeze_seconds = gc_freeze_seconds
@@ -47,13 +49,19 @@ class IngestPipeline:
         def handler_factory(_worker: int):
             applier = EventApplier(index, config=config, stats=self.stats)
             self.appliers.append(applier)
-            return DecodingHandler(applier, self.stats)
+            return DecodingHandler(applier, self.stats, limits)
 
         self.pool = ShardPool(
             workers=workers, handler_factory=handler_factory, queue_size=queue_size, stats=self.stats
         )
         self.receiver = Receiver(
-            pool=self.pool, stats=self.stats, bind=bind, connect=connect, topic=topic, context=context
+            pool=self.pool,
+            stats=self.stats,
+            bind=bind,
+            connect=connect,
+            topic=topic,
+            context=context,
+            limits=limits,
         )
         self._thread = threading.Thread(target=self.receiver.run, name="ingest-receiver", daemon=True)
 

@@ -20,7 +20,7 @@ from typing import Protocol
 import zmq
 
 from ingest.applier import EventApplier
-from ingest.events import DecodeError, decode_batch, parse_seq, parse_topic
+from ingest.events import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode_batch, parse_seq, parse_topic
 from ingest.stats import IngestStats
 from scoring.index.base import IndexUnavailable
 
@@ -194,12 +194,14 @@ class Receiver:
         topic: str = "kv@",
         rcvhwm: int = 100_000,
         context: zmq.Context | None = None,
+        limits: DecodeLimits = DEFAULT_LIMITS,
     ) -> None:
         if not bind and not connect:
             raise ValueError("give at least one endpoint to bind or connect")
         self.pool = pool
         self.stats = stats
         self.topic = topic
+        self.limits = limits
         self.context = context or zmq.Context.instance()
         self.sockets: list[zmq.Socket] = []
         self.bound: list[str] = []
@@ -254,7 +256,7 @@ class Receiver:
         try:
             if len(frames) != 3:
                 raise DecodeError("frames", f"expected 3 frames (topic, seq, payload), got {len(frames)}")
-            pod, model = parse_topic(frames[0], self.topic)
+            pod, model = parse_topic(frames[0], self.topic, max_name_chars=self.limits.max_name_chars)
             seq = parse_seq(frames[1])
         except DecodeError as e:
             self.stats.unattributed_errors[e.reason] += 1
@@ -267,13 +269,16 @@ class DecodingHandler:
     """A worker's handler: decode each payload (a bad one is counted against its pod) and stage
     it on the worker's applier; flush applies everything staged in one round trip."""
 
-    def __init__(self, applier: EventApplier, stats: IngestStats) -> None:
+    def __init__(
+        self, applier: EventApplier, stats: IngestStats, limits: DecodeLimits = DEFAULT_LIMITS
+    ) -> None:
         self.applier = applier
         self.stats = stats
+        self.limits = limits
 
     def stage(self, item: Received) -> None:
         try:
-            batch = decode_batch(item.payload)
+            batch = decode_batch(item.payload, self.limits)
         except DecodeError as e:
             stream = self.stats.stream(item.pod, 0, item.model)
             stream.batches += 1

@@ -15,6 +15,9 @@
 | KVCACHE_TOKENIZERS_DIR | "" (none) | tokenizer discovery root (HF-cache or ``org/name/`` layout) |
 | KVCACHE_ALLOW_HUB | false | download tokenizers from the model hub when no local source has one |
 | KVCACHE_PREFIX_STORE_CAPACITY | 500000 | prompt chunks the tokenization prefix store keeps (0 disables it) |
+| KVCACHE_INGEST_MAX_MESSAGE_BYTES | 8388608 | a larger KV-event payload is counted (too_large) and skipped |
+| KVCACHE_INGEST_MAX_EVENTS | 4096 | a batch with more events is counted (too_many_events) and skipped |
+| KVCACHE_INGEST_MAX_BLOCKS | 65536 | an event with more blocks is counted (too_many_blocks) and skipped |
 | KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
 | KVCACHE_REQUEST_TEMPLATES | true | accept ``chat_template`` in scoring requests (rendered in a sandbox) |
@@ -185,6 +188,13 @@ KVCACHE_TRUSTED_PROXIES = env_list("KVCACHE_TRUSTED_PROXIES")
 # Deepest nesting of arrays and objects in a request body (deeper: 400 invalid_json). The parsers
 # stop at about 1000 levels whatever this says.
 KVCACHE_MAX_JSON_DEPTH = int(os.environ.get("KVCACHE_MAX_JSON_DEPTH", "64"))
+
+# --- bounded ingest (ingest/events.py DecodeLimits): past a limit, input is counted and skipped ---
+KVCACHE_INGEST_MAX_MESSAGE_BYTES = int(
+    os.environ.get("KVCACHE_INGEST_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024))
+)
+KVCACHE_INGEST_MAX_EVENTS = int(os.environ.get("KVCACHE_INGEST_MAX_EVENTS", "4096"))
+KVCACHE_INGEST_MAX_BLOCKS = int(os.environ.get("KVCACHE_INGEST_MAX_BLOCKS", "65536"))
 
 # --- bounded work per scoring request (the fast path: scoring/fastpath/app.py) ---------------------
 KVCACHE_LARGE_PROMPT_CHARS = int(os.environ.get("KVCACHE_LARGE_PROMPT_CHARS", str(256 * 1024)))

@@ -6,6 +6,7 @@ same behaviour.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -206,6 +207,30 @@ def test_poison_messages_are_counted_and_the_next_good_event_still_lands(harness
         harness.stream("pod-a").decode_errors.values()
     )
     assert counted == len(poison)
+
+
+def test_over_limit_input_is_counted_by_reason_and_never_applied_in_part(harness, base_capture):
+    pub = harness.publisher("pod-a")
+    huge = msgpack.packb([0.0, [["AllBlocksCleared"]] * 1_000_000, None])  # ~18 MB (issue 9)
+    many = msgpack.packb([0.0, [["AllBlocksCleared"]] * 5000, None])
+    topic, seq, _ = encode_message("pod-a", MODEL, 99, b"")
+    for payload in (huge, many):
+        pub.send_frames([topic, seq, payload])
+    long_pod = encode_message("p" * 300, MODEL, 1, msgpack.packb([0.0, [], None]))
+    pub.send_frames(long_pod)
+    pub.next_seq = 100
+    too_many_blocks = stored(base_capture)
+    too_many_blocks = dataclasses.replace(
+        too_many_blocks, block_hashes=tuple(range(70_000)), token_ids=(1,) * (70_000 * 16)
+    )
+    pub.send([too_many_blocks, stored(base_capture)])  # the first is skipped, the second lands
+    harness.sync("pod-a")
+
+    assert held_blocks(harness, capture_keys(base_capture), "pod-a") == 25
+    errors = harness.stream("pod-a").decode_errors
+    assert (errors["too_large"], errors["too_many_events"], errors["too_many_blocks"]) == (1, 1, 1)
+    assert harness.stats.unattributed_errors["topic"] == 1  # the 300-character pod name
+    assert all(s.pod != "p" * 300 for s in harness.stats.streams())
 
 
 def test_a_hundred_concurrent_engines(harness, base_capture):

@@ -20,6 +20,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from prometheus_client import CollectorRegistry, start_http_server
 
+from ingest.events import DecodeLimits
 from ingest.pipeline import IngestPipeline
 from ingest.stats import IngestStats, IngestStatsCollector
 from scoring.index.base import IndexUnavailable
@@ -80,6 +81,11 @@ class Command(BaseCommand):
             topic=options["topic"],
             workers=options["workers"],
             queue_size=options["queue_size"],
+            limits=DecodeLimits(
+                max_message_bytes=settings.KVCACHE_INGEST_MAX_MESSAGE_BYTES,
+                max_events=settings.KVCACHE_INGEST_MAX_EVENTS,
+                max_blocks=settings.KVCACHE_INGEST_MAX_BLOCKS,
+            ),
         )
         stats = pipeline.stats
         if options["metrics_port"] is not None:
