@@ -181,6 +181,39 @@ class ShardPool:
                 return
 
 
+class RateLimitedLog:
+    """Warnings about bad input, at most one per ``reason`` every ``interval`` seconds: a flood
+    of malformed messages must not become a flood of log lines (they are all counted in the
+    stats anyway). The next line of a reason says how many were left out since the last."""
+
+    def __init__(self, logger: logging.Logger, *, interval: float = 10.0) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, reason: str, message: str, *args: object) -> bool:
+        """Log ``message % args`` unless ``reason`` was logged less than ``interval`` ago;
+        returns whether it was logged."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(reason)
+            if last is not None and now - last < self.interval:
+                self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+                return False
+            self._last[reason] = now
+            suppressed = self._suppressed.pop(reason, 0)
+        if suppressed:
+            message += f" (and {suppressed} more {reason} in the last {self.interval:g}s, not logged)"
+        self.logger.warning(message, *args)
+        return True
+
+
+MALFORMED_LOG = RateLimitedLog(log)
+"""Where the receiver and the workers report bad input (reasons are few: the dict stays small)."""
+
+
 class Receiver:
     """SUB sockets (bound and/or connected) read by one thread, feeding a ``ShardPool``."""
 
@@ -260,7 +293,7 @@ class Receiver:
             seq = parse_seq(frames[1])
         except DecodeError as e:
             self.stats.unattributed_errors[e.reason] += 1
-            log.warning("skipped a malformed message: %s", e)
+            MALFORMED_LOG.warning(e.reason, "skipped a malformed message: %s", e)
             return None
         return Received(pod, model, seq, frames[2], time.time())
 
@@ -284,7 +317,7 @@ class DecodingHandler:
             stream.batches += 1
             stream.decode_errors[e.reason] += 1
             stream.observe_seq(item.seq)
-            log.warning("skipped an undecodable batch from %s: %s", item.pod, e)
+            MALFORMED_LOG.warning(e.reason, "skipped an undecodable batch from %.80s: %s", item.pod, e)
             return
         mark = self.applier.pending
         try:

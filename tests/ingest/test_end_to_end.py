@@ -7,13 +7,16 @@ same behaviour.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import threading
+import time
 
 import msgpack
 import pytest
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_message
+from ingest.pool import RateLimitedLog
 from scoring.keys import block_keys
 from tests.events import stored_event as stored
 from tests.ingest.conftest import MODEL, Harness
@@ -273,3 +276,32 @@ def test_a_disabled_pod_is_ignored(harness, base_capture):
 
 def _fields(event: BlockStored) -> dict:
     return {name: getattr(event, name) for name in event.__slots__}
+
+
+def test_a_flood_of_malformed_messages_is_logged_a_line_per_reason_not_a_line_each(harness, caplog):
+    pub = harness.publisher("pod-a")
+    topic, seq, _ = encode_message("pod-a", MODEL, 99, b"")
+    with caplog.at_level(logging.WARNING, logger="ingest.pool"):
+        for _ in range(300):
+            pub.send_frames([topic, seq, b"\xc1garbage"])
+        pub.next_seq = 100
+        pub.send([])
+        harness.sync("pod-a")
+    assert harness.stream("pod-a").decode_errors["msgpack"] == 300  # every one counted
+    lines = [r for r in caplog.records if "undecodable" in r.getMessage()]
+    assert len(lines) <= 1  # at most one line per reason per 10 s
+
+
+def test_the_rate_limited_log_says_how_many_it_left_out(caplog):
+    limited = RateLimitedLog(logging.getLogger("tests.ratelimit"), interval=0.05)
+    with caplog.at_level(logging.WARNING, logger="tests.ratelimit"):
+        logged = [limited.warning("msgpack", "bad payload %d", i) for i in range(100)]
+        assert limited.warning("topic", "bad topic")  # another reason has its own budget
+        time.sleep(0.06)
+        assert limited.warning("msgpack", "bad payload again")
+    assert logged.count(True) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad payload 0",
+        "bad topic",
+        "bad payload again (and 99 more msgpack in the last 0.05s, not logged)",
+    ]
