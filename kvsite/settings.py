@@ -70,7 +70,7 @@ DEBUG = env_bool("DEBUG")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
 
 INSTALLED_APPS = [
-    "daphne",
+    "daphne",  # runserver (development) serves ASGI and websockets through it
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",

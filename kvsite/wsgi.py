@@ -1,4 +1,4 @@
-"""WSGI entry point (for WSGI servers; the project itself runs under daphne)."""
+"""WSGI entry point (for WSGI servers; the project itself runs as ASGI: `manage.py serve`)."""
 
 import os
 

@@ -257,20 +257,9 @@ def key_prompt(
     Raises ``TokenizerNotFound`` (no tokenizer for ``model``; answered at once, never retried),
     ``TokenizerLoadError``, ``InvalidInput`` (text that is not valid Unicode, or longer than the
     model's context length)."""
-    timings = Timings()
-    started = time.perf_counter()
-    tokenization = _tokenize(tokenizers, config, model, prompt, field="prompt")
-    timings.tokenize = time.perf_counter() - started  # a first use's tokenizer load included
-    keyed = key_token_ids(
-        config=config,
-        model=model,
-        token_ids=tokenization.token_ids,
-        lora_name=lora_name,
-        pods=pods,
-        timings=timings,
+    return _key_text(
+        tokenizers, config, model, prompt, field="prompt", lora_name=lora_name, pods=pods, timings=Timings()
     )
-    keyed.tokenization = tokenization
-    return keyed
 
 
 def score_prompt(*, index: KVIndex, **request: Any) -> ScoreResult:
@@ -313,19 +302,17 @@ def key_chat(
         sandbox=sandbox,
         allow_request_templates=allow_request_templates or chat.chat_template is None,
     )
-    rendered_at = time.perf_counter()
-    timings.render = rendered_at - started  # a first use's tokenizer load included
-    tokenization = _tokenize(tokenizers, config, model, rendered.text, field="messages")
-    timings.tokenize = time.perf_counter() - rendered_at
-    keyed = key_token_ids(
-        config=config,
-        model=model,
-        token_ids=tokenization.token_ids,
+    timings.render = time.perf_counter() - started  # a first use's tokenizer load included
+    keyed = _key_text(
+        tokenizers,
+        config,
+        model,
+        rendered.text,
+        field="messages",
         lora_name=lora_name,
         pods=pods,
         timings=timings,
     )
-    keyed.tokenization = tokenization
     keyed.templated = rendered.text
     return keyed
 
@@ -346,6 +333,34 @@ def context_length(tokenizers: TokenizerRegistry, config: ServiceConfig, model: 
         return tokenizers.get(model).model_max_length
     except TokenizerError:
         return None
+
+
+def _key_text(
+    tokenizers: TokenizerRegistry,
+    config: ServiceConfig,
+    model: str,
+    text: str,
+    *,
+    field: str,
+    lora_name: str | None,
+    pods: Collection[str] | None,
+    timings: Timings,
+) -> KeyedRequest:
+    """Steps 2-3 for text: tokenized (``timings.tokenize``, a first use's tokenizer load
+    included), then keyed; ``field`` names the request field an error is about."""
+    started = time.perf_counter()
+    tokenization = _tokenize(tokenizers, config, model, text, field=field)
+    timings.tokenize = time.perf_counter() - started
+    keyed = key_token_ids(
+        config=config,
+        model=model,
+        token_ids=tokenization.token_ids,
+        lora_name=lora_name,
+        pods=pods,
+        timings=timings,
+    )
+    keyed.tokenization = tokenization
+    return keyed
 
 
 def _tokenize(

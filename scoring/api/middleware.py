@@ -8,7 +8,7 @@ from django.http import HttpRequest, HttpResponse
 
 
 class SyncMiddlewareChain:
-    """Keeps Django's middleware chain synchronous under ASGI (daphne); it does nothing else.
+    """Keeps Django's middleware chain synchronous under ASGI (uvicorn); it does nothing else.
 
     Under ASGI, Django runs a middleware in async mode when it and everything inside it can, and
     an async-mode ``MiddlewareMixin`` middleware (all of Django's own) hops to a thread and back
