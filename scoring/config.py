@@ -68,6 +68,10 @@ class ServiceConfig:
     disabled_pods: frozenset[str] = frozenset()
     pod_addresses: Mapping[str, str] = field(default_factory=dict)
     pod_models: frozenset[str] = frozenset()  # the models registered pods serve
+    replay_endpoints: Mapping[str, str] = field(default_factory=dict)
+    """pod -> its registry ``replay_endpoint`` (only pods that have one)."""
+    down_pods: frozenset[str] = frozenset()
+    """Pods the liveness prober found down: they leave scores like disabled ones."""
 
     def model(self, name: str) -> ModelSettings:
         """Settings of ``name``; a model without a config gets the defaults."""

@@ -33,12 +33,31 @@ class Pod(models.Model):
     pod_id = models.CharField(
         max_length=255, unique=True, help_text="The <pod> of the kv@<pod>@<model> topic."
     )
-    address = models.CharField(max_length=255, blank=True, help_text="Where the pod serves HTTP, if known.")
+    address = models.CharField(
+        max_length=255,
+        blank=True,
+        help_text="Where the pod serves HTTP (host:port), if known; its /health is probed there.",
+    )
+    replay_endpoint = models.CharField(
+        max_length=255,
+        blank=True,
+        help_text="The engine's KV-event replay ROUTER (e.g. tcp://10.0.0.7:5558), which ingest asks "
+        "for missed batches; data-parallel rank r uses its port + r. Empty: ingest --replay-port-offset "
+        "derives it from the address, else the pod cannot replay.",
+    )
     model = models.CharField(max_length=255, db_index=True)
     labels = models.JSONField(default=dict, blank=True)
     enabled = models.BooleanField(
         default=True, help_text="A disabled pod's blocks are removed from the index and from scores."
     )
+    health = models.CharField(
+        max_length=16,
+        choices=[("unknown", "unknown"), ("up", "up"), ("down", "down")],
+        default="unknown",
+        editable=False,
+        help_text="What the liveness prober last concluded from the pod's /health; a down pod leaves scores.",
+    )
+    health_changed_at = models.DateTimeField(null=True, blank=True, editable=False)
     first_seen = models.DateTimeField(null=True, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True, db_index=True)
 

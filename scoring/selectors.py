@@ -35,13 +35,18 @@ def load_service_config() -> ServiceConfig:
         )
         for m in ModelConfig.objects.all()
     }
-    disabled, addresses, pod_models = set(), {}, set()
-    for pod_id, model, enabled, address in Pod.objects.values_list("pod_id", "model", "enabled", "address"):
+    disabled, down, addresses, replay, pod_models = set(), set(), {}, {}, set()
+    rows = Pod.objects.values_list("pod_id", "model", "enabled", "address", "replay_endpoint", "health")
+    for pod_id, model, enabled, address, replay_endpoint, health in rows:
         pod_models.add(model)
         if not enabled:
             disabled.add(pod_id)
+        if health == "down":
+            down.add(pod_id)
         if address:
             addresses[pod_id] = address
+        if replay_endpoint:
+            replay[pod_id] = replay_endpoint
     return ServiceConfig(
         seed=seed,
         default_block_size=settings.KVCACHE_BLOCK_SIZE,
@@ -49,6 +54,8 @@ def load_service_config() -> ServiceConfig:
         disabled_pods=frozenset(disabled),
         pod_addresses=addresses,
         pod_models=frozenset(pod_models),
+        replay_endpoints=replay,
+        down_pods=frozenset(down),
     )
 
 

@@ -12,9 +12,21 @@ from scoring.models import HashSeed, ModelConfig, Pod
 from scoring.runtime import get_index, invalidate_service_config
 
 
+def address_in_pod_id(pod_id: str) -> str:
+    """The address a ``host:port`` pod id names (llm-d's convention; IPv6 as ``[::1]:8000``),
+    else ""."""
+    host, colon, port = pod_id.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(pod_id) > 255:
+        return ""
+    if host.startswith("["):
+        return pod_id if host.endswith("]") and len(host) > 2 else ""
+    return pod_id if all(c.isalnum() or c in ".-" for c in host) else ""
+
+
 def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
     """Upsert ``(pod, model, first_seen, last_seen)`` (unix times) into the registry; returns how
-    many pods were new. ``first_seen`` never moves later; ``last_seen`` never moves earlier."""
+    many pods were new. ``first_seen`` never moves later; ``last_seen`` never moves earlier. A new
+    pod whose id is ``host:port`` gets that as its address."""
     rows = {pod: (model, first, last) for pod, model, first, last in seen}
     if not rows:
         return 0
@@ -27,7 +39,13 @@ def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
             last_dt = datetime.fromtimestamp(last, UTC)
             pod = existing.get(pod_id)
             if pod is None:
-                Pod.objects.create(pod_id=pod_id, model=model, first_seen=first_dt, last_seen=last_dt)
+                Pod.objects.create(
+                    pod_id=pod_id,
+                    model=model,
+                    address=address_in_pod_id(pod_id),
+                    first_seen=first_dt,
+                    last_seen=last_dt,
+                )
                 created += 1
                 continue
             pod.model = model

@@ -22,8 +22,18 @@ class PodSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Pod
-        fields = ["pod_id", "address", "model", "labels", "enabled", "first_seen", "last_seen"]
-        read_only_fields = ["first_seen", "last_seen"]
+        fields = [
+            "pod_id",
+            "address",
+            "replay_endpoint",
+            "model",
+            "labels",
+            "enabled",
+            "health",
+            "first_seen",
+            "last_seen",
+        ]
+        read_only_fields = ["health", "first_seen", "last_seen"]
 
 
 class PodStateSerializer(serializers.Serializer):
