@@ -24,19 +24,20 @@ __all__ = [
     "parse_size",
 ]
 
-_MEMORY_OPTIONS = ("max_keys", "pod_cache_size", "max_bytes")
+_MEMORY_OPTIONS = ("max_keys", "pod_cache_size", "max_bytes", "slice_blocks")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 def open_index(url: str, **options: Any) -> KVIndex:
     """The index a URL names.
 
-    * ``memory://`` -> ``MemoryIndex``; query parameters ``max_keys`` and ``pod_cache_size``
-      (integers) and ``max_bytes`` (a size for ``parse_size``: ``2GiB``, ``42MB``, ``1000000``),
-      e.g. ``memory://?max_keys=1000000&pod_cache_size=10`` or ``memory://?max_bytes=2GiB``.
-      Keyword ``options`` override the query.
-    * ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex.from_url(url, **options)``;
-      redis-py reads connection settings from the URL's query (e.g. ``?socket_timeout=1``).
+    * ``memory://`` -> ``MemoryIndex``; query parameters ``max_keys``, ``pod_cache_size`` and
+      ``slice_blocks`` (integers) and ``max_bytes`` (a size for ``parse_size``: ``2GiB``,
+      ``42MB``, ``1000000``), e.g. ``memory://?max_keys=1000000&pod_cache_size=10`` or
+      ``memory://?max_bytes=2GiB``. Keyword ``options`` override the query.
+    * ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex.from_url(url, **options)``
+      (``namespace`` and ``slice_blocks`` are the index's own options); redis-py reads
+      connection settings from the URL's query (e.g. ``?socket_timeout=1``).
 
     Raises ``ValueError`` for another scheme or an unknown or malformed memory option.
     """

@@ -4,13 +4,28 @@ Identity: an entry is ``(pod, tier)`` under a ``(model, block key)``; ``pod1@gpu
 ``pod1@cpu`` are two entries. Per pod, the index also keeps the engine hash -> digest map that
 ``BlockRemoved`` events and parent look-ups go through, and keeps it consistent: an engine hash
 never points at a block the pod no longer holds.
+
+Besides the blocks, two small records let ingest notice what the index lost or missed:
+
+* progress: per ``(model, holder)``, the seq of the last event batch applied, written by a
+  ``Progress`` update atomically with the last update of that batch (``apply_updates``);
+* epoch markers: one opaque string per model (``set_epoch`` / ``epochs``), which only the loss of
+  the backing store's data removes (a Redis ``FLUSHALL`` or a restart without persistence).
+
+Slices: no write holds the backend (the Redis server, the memory index's lock) for long. A store
+or remove of more than the backend's ``slice_blocks`` blocks or engine hashes is applied in
+several slices of at most that many, and a ``clear_pod`` (``clear_model``) removes at most that
+many entries per slice. Each slice is atomic and keeps every invariant; a reader may see a prefix
+of the slices of one update applied. Updates and slices are applied in order, and a store or
+remove of at most ``slice_blocks`` is one slice, so atomic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from itertools import pairwise
+from typing import Protocol, TypeVar
 
 from scoring.keys import BlockKey, Digest
 
@@ -76,7 +91,19 @@ class ClearPod:
     pod: str
 
 
-IndexUpdate = Store | Remove | ClearPod
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """The last event ``seq`` applied for ``pod`` (an index holder: a pod, or ``pod#dp<r>``)
+    under ``model``, for ``apply_updates``. Written atomically with the update right before it
+    when that update is of the same model (see ``KVIndex.apply_updates``); a lower seq than the
+    recorded one (an engine restarted) simply replaces it."""
+
+    model: str
+    pod: str
+    seq: int
+
+
+IndexUpdate = Store | Remove | ClearPod | Progress
 
 LookupQuery = tuple[Sequence[BlockKey], Collection[str] | None]
 """One ``lookup``'s arguments, for ``lookup_many``: the keys, and the pods (``None``: every pod)."""
@@ -86,22 +113,60 @@ class IndexUnavailable(RuntimeError):
     """The backing store cannot be reached (the API answers 503)."""
 
 
+_T = TypeVar("_T")
+
+
+def slices(items: Sequence[_T], size: int) -> list[Sequence[_T]]:
+    """``items`` cut, in order, into the fewest slices of at most ``size`` (``size >= 1``), whose
+    lengths differ by at most one; ``[items]`` itself when it fits in one."""
+    if len(items) <= size:
+        return [items]
+    count = -(-len(items) // size)
+    length, longer = divmod(len(items), count)  # the first `longer` slices get one more
+    bounds = [i * length + min(i, longer) for i in range(count + 1)]
+    return [items[start:end] for start, end in pairwise(bounds)]
+
+
 class KVIndex(Protocol):
     """What ingest writes and scoring reads. All methods are thread-safe."""
 
+    slice_blocks: int
+    """The most blocks, engine hashes or cleared entries one slice of a write handles."""
+
     def store(self, *, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> None:
-        """Record that ``pod`` holds ``blocks`` on ``tier``; idempotent. Atomic per call."""
+        """Record that ``pod`` holds ``blocks`` on ``tier``; idempotent. Atomic per slice (module
+        docstring): a call of at most ``slice_blocks`` blocks is atomic."""
 
     def remove(self, *, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
         """Drop ``(pod, tier)`` from the blocks these engine hashes map to; returns how many
         entries went. Unknown hashes are ignored. When the pod no longer holds a block on any
-        tier, its engine-hash entry goes too. Atomic per call."""
+        tier, its engine-hash entry goes too. Atomic per slice (module docstring)."""
 
     def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
         """Apply ``updates`` in order, each exactly as (and as atomically as) its single-call
-        counterpart, in one round trip for all of them. Returns, per update, the number of
-        blocks stored, entries removed or entries cleared. Readers may see a prefix of the
-        sequence applied, never part of one update."""
+        counterpart, in as few round trips as the slices allow (one for a batch of small stores
+        and removes). Returns, per update, the number of blocks stored, entries removed or entries
+        cleared (0 for a ``Progress``). Readers may see a prefix of the sequence applied, and of
+        the slices of one update, never part of one slice.
+
+        A ``Progress`` is applied in order too, and atomically with the (last slice of the)
+        update right before it when that update is of the same model: no reader, and no crash,
+        can leave the seq recorded without that update, or the update without the seq. Otherwise
+        (first in the list, another model, or an empty store or remove before it) it is written
+        on its own."""
+
+    def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
+        """``(model, holder) -> seq`` of the last ``Progress`` applied, under ``model`` or every
+        model (Redis: every model in ``kv:models``). ``clear_pod`` and ``clear_model`` leave it:
+        it records what was applied, not what is held."""
+
+    def epochs(self, models: Sequence[str]) -> list[str | None]:
+        """The epoch marker of each model, in order (``None``: there is none); one round trip."""
+
+    def set_epoch(self, *, model: str, value: str, if_absent: bool = False) -> bool:
+        """Write ``model``'s epoch marker, an opaque string; with ``if_absent`` only when it has
+        none. Returns whether it was written. Clears leave it; only the loss of the backing
+        store's data removes it."""
 
     def resolve(self, *, model: str, pod: str, engine_hashes: Sequence[int]) -> list[Digest | None]:
         """The digest each engine hash of ``pod`` maps to (``None`` when unknown)."""
@@ -119,12 +184,13 @@ class KVIndex(Protocol):
         """``lookup`` for each ``(keys, pods)`` query under ``model``, in order, in one round trip."""
 
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
-        """Remove every entry of ``pod`` (under ``model``, or under every model); returns how
-        many (key, tier) entries went."""
+        """Remove every entry of ``pod`` (under ``model``, or under every model), in slices;
+        returns how many (key, tier) entries went."""
 
     def clear_model(self, *, model: str) -> int:
-        """Remove everything indexed under ``model`` (its seed or block size changed); returns
-        how many (key, pod, tier) entries went."""
+        """Remove everything indexed under ``model`` (its seed or block size changed), pod by
+        pod, in slices; returns how many (key, pod, tier) entries went. Entries stored while it
+        runs may stay."""
 
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:
         """Live block counts per (model, pod), sorted by model then pod."""

@@ -8,6 +8,14 @@ State, all guarded by one lock:
   ``pod_cache_size`` of them; storing one more evicts the oldest.
 * ``_pods[model][pod]``: a ``_PodState`` with the reverse index (tier -> keys), the engine-hash
   map (engine hash -> digest) and, to keep those two consistent, key -> engine hashes.
+* ``_progress[(model, holder)]``: the seq of the last ``Progress`` applied (clears leave it);
+  ``_epochs[model]``: the epoch markers, which live as long as this object.
+
+Slices: a write holds the lock for at most ``slice_blocks`` blocks, engine hashes or cleared
+entries of work (7-12 ms at the default; in one piece, a 65536-block store held it for ~225 ms and
+a 65536-hash remove ~215 ms, ``bench/index_slices.py``), then lets waiting threads in and takes it
+again; small updates of one ``apply_updates`` share one hold. Every invariant below holds whenever
+the lock is free.
 
 Invariants (``_drop_entry`` is the one place an entry leaves, whatever the reason):
 
@@ -39,9 +47,11 @@ from __future__ import annotations
 import re
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from decimal import Decimal
+from itertools import islice
 
 from scoring.index.base import (
     ClearPod,
@@ -49,10 +59,12 @@ from scoring.index.base import (
     IndexUpdate,
     LookupQuery,
     PodBlocks,
+    Progress,
     Remove,
     Store,
     StoredBlock,
     Tier,
+    slices,
 )
 from scoring.keys import BlockKey, Digest, key_of
 
@@ -60,6 +72,10 @@ DEFAULT_MAX_KEYS = 10_000_000
 DEFAULT_POD_CACHE_SIZE = 128
 """Holders kept per key. Upstream keeps 10; a fleet whose pods all cache one long system prompt
 would then show only 10 of them warm, so we keep enough for a large fleet (and Redis keeps all)."""
+DEFAULT_SLICE_BLOCKS = 4096
+"""Blocks, engine hashes or cleared entries handled per hold of the lock: ~7 ms for a store, ~12 ms
+for a remove, ~8 ms for a clear (``bench/index_slices.py``; a collection of CPython's oldest
+generation, which stops every thread anyway, can add tens of ms to one)."""
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?", re.IGNORECASE)
@@ -158,7 +174,7 @@ class MemoryIndex:
     looked up goes first); ``max_bytes``, when set, bounds ``estimated_bytes`` the same way (keys
     go, least recent first, until it fits); ``pod_cache_size`` bounds the ``(pod, tier)`` entries
     per key (oldest stored goes first). Evictions keep the reverse index and the engine-hash map
-    consistent.
+    consistent. ``slice_blocks`` bounds the work done per hold of the lock (module docstring).
     """
 
     in_process = True  # lookups do no I/O: the fast path may run them on its event loop
@@ -169,6 +185,7 @@ class MemoryIndex:
         max_keys: int = DEFAULT_MAX_KEYS,
         pod_cache_size: int = DEFAULT_POD_CACHE_SIZE,
         max_bytes: int | None = None,
+        slice_blocks: int = DEFAULT_SLICE_BLOCKS,
     ) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be at least 1")
@@ -176,13 +193,18 @@ class MemoryIndex:
             raise ValueError("pod_cache_size must be at least 1")
         if max_bytes is not None and max_bytes < 1:
             raise ValueError("max_bytes must be at least 1 (or None for no byte budget)")
+        if slice_blocks < 1:
+            raise ValueError("slice_blocks must be at least 1")
         self.max_keys = max_keys
         self.pod_cache_size = pod_cache_size
         self.max_bytes = max_bytes
+        self.slice_blocks = slice_blocks
         self._lock = threading.Lock()
         self._blocks: OrderedDict[tuple[str, BlockKey], _Block] = OrderedDict()
         self._pods: dict[str, dict[str, _PodState]] = {}
         self._bytes = 0
+        self._progress: dict[tuple[str, str], int] = {}
+        self._epochs: dict[str, str] = {}
 
     def __len__(self) -> int:
         """The number of ``(model, block key)`` entries (never more than ``max_keys``)."""
@@ -199,58 +221,46 @@ class MemoryIndex:
     def store(self, *, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> None:
         """Record ``blocks`` for ``(pod, tier)``, refreshing their recency; idempotent.
 
-        Bounds are enforced as each block goes in (per-key pod bound) and once at the end (global
-        key bound), so a call larger than ``max_keys`` keeps only its last ``max_keys`` blocks.
+        Bounds are enforced as each block goes in (per-key pod bound) and at the end of each
+        slice (global key bound), so a call larger than ``max_keys`` keeps only its last
+        ``max_keys`` blocks.
         """
-        if not blocks:
-            return
-        with self._lock:
-            self._store(model, pod, tier, blocks)
+        if blocks:
+            self._apply([Store(model, pod, tier, blocks)])
 
     def remove(self, *, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
         """Drop ``(pod, tier)`` from the blocks these engine hashes map to; see ``KVIndex``."""
-        with self._lock:
-            return self._remove(model, pod, tier, engine_hashes)
+        return self._apply([Remove(model, pod, tier, engine_hashes)])[0]
 
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod``; returns the number of ``(key, tier)`` entries."""
         with self._lock:
             models = list(self._pods) if model is None else [model]
-            return sum(self._clear_pod(m, pod) for m in models)
+        return sum(self._apply([ClearPod(m, pod) for m in models]))
 
     def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
-        """Apply ``updates`` in order under one acquisition of the lock (see ``KVIndex``): no
-        reader sees any of them before all are applied. ``TypeError`` for anything that is not
-        an ``IndexUpdate``, before any is applied."""
+        """Apply ``updates`` in order (see ``KVIndex``), under as few holds of the lock as the
+        slices allow: the lock is let go only where the work of one hold would pass
+        ``slice_blocks``, never between an update and the ``Progress`` after it. ``TypeError``
+        for anything that is not an ``IndexUpdate``, before any is applied."""
         for update in updates:
-            if not isinstance(update, (Store, Remove, ClearPod)):
+            if not isinstance(update, (Store, Remove, ClearPod, Progress)):
                 raise TypeError(f"not an index update: {update!r}")
-        counts: list[int] = []
-        with self._lock:
-            for update in updates:
-                if isinstance(update, Store):
-                    if update.blocks:
-                        self._store(update.model, update.pod, update.tier, update.blocks)
-                    counts.append(len(update.blocks))
-                elif isinstance(update, Remove):
-                    counts.append(self._remove(update.model, update.pod, update.tier, update.engine_hashes))
-                else:
-                    counts.append(self._clear_pod(update.model, update.pod))
-        return counts
+        return self._apply(updates)
 
     def clear_model(self, *, model: str) -> int:
-        """Remove everything under ``model``; returns the number of ``(key, pod, tier)`` entries."""
-        removed = 0
+        """Remove everything under ``model``, pod by pod, in slices; returns the number of
+        ``(key, pod, tier)`` entries."""
         with self._lock:
-            for pod, state in self._pods.pop(model, {}).items():
-                for tier, keys in state.tiers.items():
-                    for key in keys:
-                        if self._blocks.pop((model, key), None) is not None:
-                            self._bytes -= KEY_ENTRY_BYTES + len(model)
-                    removed += len(keys)
-                    self._bytes -= (HOLDER_ENTRY_BYTES + len(pod) + len(tier)) * len(keys)
-                self._bytes -= _engine_bytes(state)
-        return removed
+            pods = list(self._pods.get(model, ()))
+        return sum(self._apply([ClearPod(model, pod) for pod in pods]))
+
+    def set_epoch(self, *, model: str, value: str, if_absent: bool = False) -> bool:
+        with self._lock:
+            if if_absent and model in self._epochs:
+                return False
+            self._epochs[model] = value
+            return True
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -290,6 +300,14 @@ class MemoryIndex:
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         return [self.lookup(model=model, keys=keys, pods=pods) for keys, pods in queries]
 
+    def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return {held: seq for held, seq in self._progress.items() if model is None or held[0] == model}
+
+    def epochs(self, models: Sequence[str]) -> list[str | None]:
+        with self._lock:
+            return [self._epochs.get(m) for m in models]
+
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:
         with self._lock:
             models = sorted(self._pods) if model is None else [model]
@@ -308,6 +326,76 @@ class MemoryIndex:
             self._blocks.clear()
             self._pods.clear()
             self._bytes = 0
+            self._progress.clear()
+            self._epochs.clear()
+
+    # -- the writes, in slices -------------------------------------------------------------------
+
+    def _apply(self, updates: Sequence[IndexUpdate]) -> list[int]:
+        """``apply_updates`` of valid ``updates``: each store and remove cut with ``slices``, a
+        clear done ``slice_blocks`` entries at a time, the lock let go (``_let_readers_in``)
+        before a slice that would take the work done under this hold past ``slice_blocks``."""
+        budget = self.slice_blocks
+        counts = [0] * len(updates)
+        self._lock.acquire()
+        try:
+            held = 0  # blocks, engine hashes and entries handled under this hold of the lock
+            for i, update in enumerate(updates):
+                if isinstance(update, Progress):
+                    self._progress[(update.model, update.pod)] = update.seq
+                elif isinstance(update, ClearPod):
+                    done = False
+                    while not done:
+                        if held >= budget:
+                            held = self._let_readers_in()
+                        removed, done = self._clear_pod_slice(update.model, update.pod, budget - held)
+                        counts[i] += removed
+                        held += removed
+                elif isinstance(update, Store):
+                    for part in slices(update.blocks, budget):
+                        if held and held + len(part) > budget:
+                            held = self._let_readers_in()
+                        if part:
+                            self._store(update.model, update.pod, update.tier, part)
+                        counts[i] += len(part)
+                        held += len(part)
+                else:
+                    for part in slices(update.engine_hashes, budget):
+                        if held and held + len(part) > budget:
+                            held = self._let_readers_in()
+                        counts[i] += self._remove(update.model, update.pod, update.tier, part)
+                        held += len(part)
+        finally:
+            self._lock.release()
+        return counts
+
+    def _let_readers_in(self) -> int:
+        """Let go of the lock and take it again (requires it); returns 0, the work done under
+        the new hold. Without the pause, this thread would take the lock back before a waiting
+        thread had woken up."""
+        self._lock.release()
+        time.sleep(0)
+        self._lock.acquire()
+        return 0
+
+    def _clear_pod_slice(self, model: str, pod: str, limit: int) -> tuple[int, bool]:
+        """At most ``limit`` (>= 1) entries of ``clear_pod`` under one model: how many went, and
+        whether the pod is gone. Requires the lock."""
+        pods = self._pods.get(model)
+        state = pods.get(pod) if pods else None
+        if state is None:
+            return 0, True
+        if sum(map(len, state.tiers.values())) <= limit:
+            return self._clear_pod(model, pod), True
+        removed = 0
+        for tier, keys in list(state.tiers.items()):
+            part = list(islice(keys, limit - removed))
+            for key in part:
+                self._drop_entry(model, key, self._blocks[(model, key)], pod, tier)
+            removed += len(part)
+            if removed == limit:
+                break
+        return removed, False
 
     # -- the writes, with the lock held ----------------------------------------------------------
 

@@ -9,6 +9,9 @@ percent-encoded by ``encode_name``; ``K`` is a block key as 16 lower-case hex di
     kv:{M}:p:P:k      HASH   K -> "h h ..."        the engine hashes of P pointing at K, so that
                                                    they go when P stops holding K
     kv:{M}:pods       SET    "P@T" ...             every (pod, tier) with a non-empty reverse set
+    kv:{M}:seq        HASH   H -> seq              progress: the last event seq applied per holder
+                                                   H (a pod or "pod#dp<r>", encoded), decimal
+    kv:{M}:epoch      STRING opaque marker         set by ingest, removed only with the data
     kv:models         SET    model names           models written through any client (a superset)
 
 A block is a STRING of space-separated entries rather than a HASH so that a lookup is a single
@@ -23,25 +26,41 @@ Why it is safe:
 * Cluster: every key of one model carries the hash tag ``{M}`` (never empty, never containing
   ``}``), so all of them live in one slot: the ``MGET`` and every script touch one slot. Some
   scripts reach keys they find in the data (a block through the engine map, a reverse set
-  through the pods set); those are not declared in ``KEYS`` but share the tag, which Redis and
+  through the pods set) or are given as arguments (the ``seq`` hash of a ``Progress``); those
+  are not declared in ``KEYS`` but share the tag, which Redis and
   Valkey Cluster accept (services that insist on declared keys only are not supported).
   ``kv:models`` lives in another slot and is only written outside the scripts: one ``SADD`` the
-  first time this client writes a model. ``clear_model`` leaves it, as other clients may have
-  cached the model as seen; enumerating a cleared model just finds nothing.
-* Atomicity: store, remove, clear_pod and clear_model are each one Lua script and a lookup is
-  one ``MGET``, so no reader sees half of a write. ``apply_updates`` sends the scripts of its
-  updates in one non-transactional pipeline: each update stays atomic, and a reader may see a
-  prefix of the batch applied. The scripts carry a ``#!lua`` shebang, so a server out of memory
-  refuses them before they start rather than half way (a script that fails part way is never
-  rolled back). They run by ``EVALSHA``; when the server has lost them (``SCRIPT FLUSH``, a
-  restart) all of them are loaded again and the refused calls sent once more.
+  first time this client writes a model (or its progress). ``clear_model`` leaves it, as other
+  clients may have cached the model as seen; enumerating a cleared model just finds nothing.
+  ``clear_pod`` and ``clear_model`` leave ``seq`` and ``epoch`` too: progress records what was
+  applied, and the epoch marker is there to go only when the server loses its data.
+* Atomicity: a lookup is one ``MGET``; every write is cut into slices, each one Lua script call,
+  so no reader sees half of a slice. A store or remove of at most ``slice_blocks`` blocks or
+  engine hashes is one slice; a larger one is cut into near-equal slices of at most that many,
+  and ``clear_pod`` (so ``clear_model``, pod by pod) removes at most that many entries per call,
+  calling again until the pod is empty. Slices and updates are applied in order; a reader may
+  see a prefix of them applied, and every invariant below holds between any two slices.
+* Progress: the store, remove and clear_pod scripts take three trailing arguments (the ``seq``
+  hash, the holder, the seq; all empty when none) and write it as their last command, so a
+  ``Progress`` lands atomically with the last slice of the update it follows (a clear: with the
+  call that empties the pod). One with nothing to ride on is its own tiny script rather than a
+  plain ``HSET``, so that it is refused and resent in order with the calls before it.
+* Scripts: they carry a ``#!lua`` shebang, so a server out of memory refuses them before they
+  start rather than half way (a script that fails part way is never rolled back). They run by
+  ``EVALSHA``; when the server has lost them (``SCRIPT FLUSH``, a restart) all of them are
+  loaded again and the refused calls sent once more, in order.
+* Latency: Valkey runs one script, and one client's pipelined commands, back to back, so no
+  other client (scoring's ``MGET``) is served while they run. ``apply_updates`` therefore sends
+  at most ``slice_blocks`` of work per pipeline (round trip). At the default 2048, a call takes
+  7-15 ms on the server (``bench/index_slices.py``); unsliced, a 65536-block store took ~250 ms
+  in one call, a 65536-hash remove ~550 ms and the clear of a 100k-block pod ~575 ms.
 * Consistency: the invariants of ``memory`` hold here too: ``P@T`` is an entry of ``b:K`` iff
   ``K`` is in ``p:P:t:T``; an engine hash of P points at a key P holds on some tier; ``p:P:k`` is
   exactly the inverse of ``p:P:e`` (so it has no field for a key P does not hold).
 
-Cost on the server: the store, remove and clear_pod scripts make a fixed number of variadic
-commands per call (or per 1000 keys), not a few per block: reads with ``MGET`` / ``HMGET``, writes
-with ``MSET``, ``HSET``, ``SADD``, ``DEL``, ... (see ``_LUA_HELPERS``).
+Cost on the server: the store and remove scripts make a fixed number of variadic commands per
+call, clear_pod per 1000 keys, not a few per block: reads with ``MGET`` / ``HMGET``, writes with
+``MSET``, ``HSET``, ``SADD``, ``DEL``, ... (see ``_LUA_HELPERS``).
 
 No TTLs and no per-key bound: an entry lives until it is removed, cleared, or its model cleared.
 """
@@ -66,14 +85,19 @@ from scoring.index.base import (
     IndexUpdate,
     LookupQuery,
     PodBlocks,
+    Progress,
     Remove,
     Store,
     StoredBlock,
     Tier,
+    slices,
 )
 from scoring.keys import BlockKey, Digest
 
 DEFAULT_NAMESPACE = "kv"
+DEFAULT_SLICE_BLOCKS = 2048
+"""Blocks, engine hashes or cleared entries per script call and per pipeline: ~7 ms of server
+time for a store, ~14 ms for a remove or a clear (``bench/index_slices.py``)."""
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -98,6 +122,8 @@ class _ModelKeys:
     block_prefix: bytes  # kv:{M}:b:
     pod_prefix: bytes  # kv:{M}:p:
     pods: bytes  # kv:{M}:pods
+    seq: bytes  # kv:{M}:seq
+    epoch: bytes  # kv:{M}:epoch
 
     def pod_keys(self, pod: bytes) -> tuple[bytes, bytes, bytes]:
         """The tier-set prefix, engine map and key -> engine hashes map of an encoded pod."""
@@ -108,7 +134,13 @@ class _ModelKeys:
 @functools.lru_cache(maxsize=1024)
 def _model_keys(namespace: str, model: str) -> _ModelKeys:
     tagged = namespace.encode() + b":{" + encode_name(model) + b"}:"
-    return _ModelKeys(block_prefix=tagged + b"b:", pod_prefix=tagged + b"p:", pods=tagged + b"pods")
+    return _ModelKeys(
+        block_prefix=tagged + b"b:",
+        pod_prefix=tagged + b"p:",
+        pods=tagged + b"pods",
+        seq=tagged + b"seq",
+        epoch=tagged + b"epoch",
+    )
 
 
 def _unavailable_on_connection_error(method: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -136,6 +168,10 @@ class _Script:
 
 _Call = tuple[_Script, list[bytes], list[bytes | int]]
 """A script with its keys and arguments: one ``EVALSHA``."""
+
+_ProgressArgs = tuple[bytes, bytes, bytes | int]
+"""The last three arguments of a write script: seq hash, encoded holder, seq (see ``_LUA_HELPERS``)."""
+_NO_PROGRESS: _ProgressArgs = (b"", b"", b"")
 
 
 # Shared Lua helpers. Block values and key -> engine hashes values are lists of words separated
@@ -227,254 +263,292 @@ local function save_blocks(names, before, after)
   call_many('MSET', nil, set)
   call_many('DEL', nil, gone)
 end
+-- The last three arguments of a write script: the seq hash, the encoded holder and the seq of the
+-- Progress that this call ends (all '' when none). Written as the call's last command, so
+-- atomically with it; not while the call leaves work to a next call of the same update.
+local function record_progress(finished)
+  local seq = ARGV[#ARGV]
+  if finished and seq ~= '' then redis.call('HSET', ARGV[#ARGV - 2], ARGV[#ARGV - 1], seq) end
+end
 """
 
 # KEYS: tier set, engine map, key -> hashes map, pods set, then the n blocks.
 # ARGV: field "P@T", pod field prefix "P@", "1" if no block key and no engine hash appears twice
 # in the call (else "0"), then the n block keys K, the n engine hashes and the n digests, in
-# block order.
+# block order, then the progress triple (see record_progress).
 # Commands: MGET, HMGET, MSET, SADD x2, HSET x2; one more HMGET (and an HDEL) in the rare cases
 # that a hash is re-pointed, a held block gets a new hash, or a key or hash repeats in the call.
 _STORE = _Script(
     "#!lua\n"
     + _LUA_HELPERS
     + """
-local tier_set, engine, hashes_of, pods = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local field, pod_prefix, distinct = ARGV[1], ARGV[2], ARGV[3] == '1'
-local n = #KEYS - 4
-local K, H, D = 3, 3 + n, 3 + 2 * n  -- block i: K ARGV[K + i], hash ARGV[H + i], digest ARGV[D + i]
+local function run()
+  local tier_set, engine, hashes_of, pods = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+  local field, pod_prefix, distinct = ARGV[1], ARGV[2], ARGV[3] == '1'
+  local n = #KEYS - 4
+  local K, H, D = 3, 3 + n, 3 + 2 * n  -- block i: K ARGV[K + i], hash ARGV[H + i], digest ARGV[D + i]
 
--- Read the blocks and the engine hashes, then in one pass over the blocks: add the entry to every
--- block that lacks it (a block named twice gets the same value twice), and point each engine
--- hash at its digest, linking (K, hash) in the key -> hashes map. The common case needs no more
--- than that pass: every hash the call changes is new to the pod and names a block the pod held
--- on no tier (so, by the invariant, one that no hash of the pod links to), and no key or hash
--- repeats: each change is one field in each map. Otherwise the engine hashes take the general
--- path below.
-local before = call_range('MGET', nil, KEYS, 5, 4 + n)
-local old = call_range('HMGET', engine, ARGV, H + 1, H + n)
-local set, s = {}, 0
-local fields, links, f = {}, {}, 0
-local simple = distinct
-for i = 1, n do
-  local cur = before[i]
-  if not cur then
-    set[s + 1], set[s + 2], s = KEYS[4 + i], field, s + 2
-  elseif not has_word(cur, field) then
-    set[s + 1], set[s + 2], s = KEYS[4 + i], cur .. ' ' .. field, s + 2
-  end
-  if simple then
-    local digest, was = ARGV[D + i], old[i]
-    if was ~= digest then
-      if was or (cur and has_prefix(cur, pod_prefix)) then
-        simple = false
-      else
-        local h = ARGV[H + i]
-        fields[f + 1], fields[f + 2] = h, digest
-        links[f + 1], links[f + 2], f = ARGV[K + i], h, f + 2
+  -- Read the blocks and the engine hashes, then in one pass over the blocks: add the entry to every
+  -- block that lacks it (a block named twice gets the same value twice), and point each engine
+  -- hash at its digest, linking (K, hash) in the key -> hashes map. The common case needs no more
+  -- than that pass: every hash the call changes is new to the pod and names a block the pod held
+  -- on no tier (so, by the invariant, one that no hash of the pod links to), and no key or hash
+  -- repeats: each change is one field in each map. Otherwise the engine hashes take the general
+  -- path below.
+  local before = call_range('MGET', nil, KEYS, 5, 4 + n)
+  local old = call_range('HMGET', engine, ARGV, H + 1, H + n)
+  local set, s = {}, 0
+  local fields, links, f = {}, {}, 0
+  local simple = distinct
+  for i = 1, n do
+    local cur = before[i]
+    if not cur then
+      set[s + 1], set[s + 2], s = KEYS[4 + i], field, s + 2
+    elseif not has_word(cur, field) then
+      set[s + 1], set[s + 2], s = KEYS[4 + i], cur .. ' ' .. field, s + 2
+    end
+    if simple then
+      local digest, was = ARGV[D + i], old[i]
+      if was ~= digest then
+        if was or (cur and has_prefix(cur, pod_prefix)) then
+          simple = false
+        else
+          local h = ARGV[H + i]
+          fields[f + 1], fields[f + 2] = h, digest
+          links[f + 1], links[f + 2], f = ARGV[K + i], h, f + 2
+        end
       end
     end
   end
-end
-call_range('MSET', nil, set, 1, s)
-call_range('SADD', tier_set, ARGV, K + 1, K + n)
-redis.call('SADD', pods, field)
-if simple then
-  call_range('HSET', engine, fields, 1, f)
-  call_range('HSET', hashes_of, links, 1, f)
+  call_range('MSET', nil, set, 1, s)
+  call_range('SADD', tier_set, ARGV, K + 1, K + n)
+  redis.call('SADD', pods, field)
+  if simple then
+    call_range('HSET', engine, fields, 1, f)
+    call_range('HSET', hashes_of, links, 1, f)
+    return n
+  end
+
+  -- The general path: replay the hashes in order; a change links (K, hash) and, when the hash
+  -- pointed at another block, first unlinks (old K, hash). Then read the links of every key
+  -- touched, replay the moves on them and write back what changed.
+  local now, moves, move_key, move_hash, move_link = {}, 0, {}, {}, {}
+  fields, links, f = {}, {}, 0
+  for i = 1, n do
+    local h, digest = ARGV[H + i], ARGV[D + i]
+    local cur = now[h]
+    if cur == nil then cur = old[i] end
+    if cur ~= digest then
+      if cur then
+        moves = moves + 1
+        move_key[moves], move_hash[moves], move_link[moves] = hex_key(cur), h, false
+      end
+      now[h] = digest
+      fields[f + 1], fields[f + 2], f = h, digest, f + 2
+      moves = moves + 1
+      move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
+    end
+  end
+  if moves == 0 then return n end
+  call_range('HSET', engine, fields, 1, f)  -- a hash named twice: the last (newest) digest wins
+
+  local keys, linked = {}, {}
+  for m = 1, moves do
+    local key = move_key[m]
+    if linked[key] == nil then
+      keys[#keys + 1] = key
+      linked[key] = false
+    end
+  end
+  local was = call_many('HMGET', hashes_of, keys)
+  for j, key in ipairs(keys) do linked[key] = was[j] end
+  for m = 1, moves do
+    local key, h = move_key[m], move_hash[m]
+    local cur = linked[key]
+    if move_link[m] then
+      if not cur then
+        linked[key] = h
+      elseif not has_word(cur, h) then
+        linked[key] = cur .. ' ' .. h
+      end
+    elseif cur then
+      linked[key] = without(cur, h)
+    end
+  end
+  local gone = {}
+  for j, key in ipairs(keys) do
+    local value = linked[key]
+    if value ~= was[j] then
+      if value then
+        links[#links + 1] = key
+        links[#links + 1] = value
+      else
+        gone[#gone + 1] = key
+      end
+    end
+  end
+  call_many('HSET', hashes_of, links)
+  call_many('HDEL', hashes_of, gone)
   return n
 end
 
--- The general path: replay the hashes in order; a change links (K, hash) and, when the hash
--- pointed at another block, first unlinks (old K, hash). Then read the links of every key
--- touched, replay the moves on them and write back what changed.
-local now, moves, move_key, move_hash, move_link = {}, 0, {}, {}, {}
-fields, links, f = {}, {}, 0
-for i = 1, n do
-  local h, digest = ARGV[H + i], ARGV[D + i]
-  local cur = now[h]
-  if cur == nil then cur = old[i] end
-  if cur ~= digest then
-    if cur then
-      moves = moves + 1
-      move_key[moves], move_hash[moves], move_link[moves] = hex_key(cur), h, false
-    end
-    now[h] = digest
-    fields[f + 1], fields[f + 2], f = h, digest, f + 2
-    moves = moves + 1
-    move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
-  end
-end
-if moves == 0 then return n end
-call_range('HSET', engine, fields, 1, f)  -- a hash named twice: the last (newest) digest wins
-
-local keys, linked = {}, {}
-for m = 1, moves do
-  local key = move_key[m]
-  if linked[key] == nil then
-    keys[#keys + 1] = key
-    linked[key] = false
-  end
-end
-local was = call_many('HMGET', hashes_of, keys)
-for j, key in ipairs(keys) do linked[key] = was[j] end
-for m = 1, moves do
-  local key, h = move_key[m], move_hash[m]
-  local cur = linked[key]
-  if move_link[m] then
-    if not cur then
-      linked[key] = h
-    elseif not has_word(cur, h) then
-      linked[key] = cur .. ' ' .. h
-    end
-  elseif cur then
-    linked[key] = without(cur, h)
-  end
-end
-local gone = {}
-for j, key in ipairs(keys) do
-  local value = linked[key]
-  if value ~= was[j] then
-    if value then
-      links[#links + 1] = key
-      links[#links + 1] = value
-    else
-      gone[#gone + 1] = key
-    end
-  end
-end
-call_many('HSET', hashes_of, links)
-call_many('HDEL', hashes_of, gone)
-return n
+local stored = run()
+record_progress(true)
+return stored
 """
 )
 
 # KEYS: engine map, key -> hashes map, pods set, tier set.
-# ARGV: field "P@T", block prefix, pod field prefix "P@", then the engine hashes.
+# ARGV: field "P@T", block prefix, pod field prefix "P@", then the engine hashes, then the
+# progress triple (see record_progress).
 # Commands: HMGET, and when a hash is known MGET + HMGET, then MSET / DEL of the blocks, SREM,
 # HDEL x2, EXISTS (+ SREM) for what changed.
 _REMOVE = _Script(
     "#!lua\n"
     + _LUA_HELPERS
     + """
-local engine, hashes_of, pods, tier_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local field, block_prefix, pod_prefix = ARGV[1], ARGV[2], ARGV[3]
+local function run()
+  local engine, hashes_of, pods, tier_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+  local field, block_prefix, pod_prefix = ARGV[1], ARGV[2], ARGV[3]
+  local last = #ARGV - 3  -- the last engine hash
 
--- The blocks (and their key -> hashes entries) the known hashes point at, each read once.
-local digests = call_range('HMGET', engine, ARGV, 4, #ARGV)
-local key_at, keys, names = {}, {}, {}
-for i, digest in ipairs(digests) do
-  if digest then
-    local key = hex_key(digest)
-    key_at[i] = key
-    if names[key] == nil then
-      keys[#keys + 1] = key
-      names[key] = block_prefix .. key
+  -- The blocks (and their key -> hashes entries) the known hashes point at, each read once.
+  local digests = call_range('HMGET', engine, ARGV, 4, last)
+  local key_at, keys, names = {}, {}, {}
+  for i, digest in ipairs(digests) do
+    if digest then
+      local key = hex_key(digest)
+      key_at[i] = key
+      if names[key] == nil then
+        keys[#keys + 1] = key
+        names[key] = block_prefix .. key
+      end
+    else
+      key_at[i] = false
     end
-  else
-    key_at[i] = false
   end
-end
-if #keys == 0 then return 0 end
-local block_names = {}
-for i, key in ipairs(keys) do block_names[i] = names[key] end
-local before = call_many('MGET', nil, block_names)
-local was = call_many('HMGET', hashes_of, keys)
-local after, linked = {}, {}
-for i, key in ipairs(keys) do
-  after[block_names[i]] = before[i]
-  linked[key] = was[i]
-end
+  if #keys == 0 then return 0 end
+  local block_names = {}
+  for i, key in ipairs(keys) do block_names[i] = names[key] end
+  local before = call_many('MGET', nil, block_names)
+  local was = call_many('HMGET', hashes_of, keys)
+  local after, linked = {}, {}
+  for i, key in ipairs(keys) do
+    after[block_names[i]] = before[i]
+    linked[key] = was[i]
+  end
 
--- Replay the hashes in order: drop the entry from its block; when the pod then holds the block
--- on no tier, every engine hash pointing at it goes (later hashes among them are unknown).
-local removed, dropped, forgotten, unknown, gone_hashes = 0, {}, {}, {}, {}
-for i = 1, #ARGV - 3 do
-  local h, key = ARGV[3 + i], key_at[i]
-  if key and not unknown[h] then
-    local name = names[key]
-    local cur = after[name]
-    if cur and has_word(cur, field) then
-      local rest = without(cur, field)
-      after[name] = rest
-      removed = removed + 1
-      dropped[#dropped + 1] = key
-      local hs = linked[key]
-      if hs and not (rest and has_prefix(rest, pod_prefix)) then
-        for w in string.gmatch(hs, '%S+') do
-          unknown[w] = true
-          gone_hashes[#gone_hashes + 1] = w
+  -- Replay the hashes in order: drop the entry from its block; when the pod then holds the block
+  -- on no tier, every engine hash pointing at it goes (later hashes among them are unknown).
+  local removed, dropped, forgotten, unknown, gone_hashes = 0, {}, {}, {}, {}
+  for i = 1, last - 3 do
+    local h, key = ARGV[3 + i], key_at[i]
+    if key and not unknown[h] then
+      local name = names[key]
+      local cur = after[name]
+      if cur and has_word(cur, field) then
+        local rest = without(cur, field)
+        after[name] = rest
+        removed = removed + 1
+        dropped[#dropped + 1] = key
+        local hs = linked[key]
+        if hs and not (rest and has_prefix(rest, pod_prefix)) then
+          for w in string.gmatch(hs, '%S+') do
+            unknown[w] = true
+            gone_hashes[#gone_hashes + 1] = w
+          end
+          forgotten[#forgotten + 1] = key
+          linked[key] = false
         end
-        forgotten[#forgotten + 1] = key
-        linked[key] = false
       end
     end
   end
+  if removed == 0 then return 0 end
+  save_blocks(block_names, before, after)
+  call_many('SREM', tier_set, dropped)
+  call_many('HDEL', engine, gone_hashes)
+  call_many('HDEL', hashes_of, forgotten)
+  if redis.call('EXISTS', tier_set) == 0 then redis.call('SREM', pods, field) end
+  return removed
 end
-if removed == 0 then return 0 end
-save_blocks(block_names, before, after)
-call_many('SREM', tier_set, dropped)
-call_many('HDEL', engine, gone_hashes)
-call_many('HDEL', hashes_of, forgotten)
-if redis.call('EXISTS', tier_set) == 0 then redis.call('SREM', pods, field) end
+
+local removed = run()
+record_progress(true)
 return removed
 """
 )
 
 # KEYS: pods set, engine map, key -> hashes map.
-# ARGV: pod field prefix "P@", block prefix, tier-set prefix "kv:{M}:p:P:t:".
+# ARGV: pod field prefix "P@", block prefix, tier-set prefix "kv:{M}:p:P:t:", the most entries
+# to remove (>= 1), then the progress triple (see record_progress), recorded by the call that
+# finishes the clear. Returns {entries removed, 1 if the pod has entries left else 0}.
+# Commands per 1000 entries: SPOP, MGET, MSET / DEL of the blocks, HMGET + HDEL x2 for the keys
+# the pod then holds on no tier; per tier: EXISTS, SREM.
 _CLEAR_POD = _Script(
     "#!lua\n"
     + _LUA_HELPERS
     + """
 local pods, engine, hashes_of = KEYS[1], KEYS[2], KEYS[3]
-local pod_prefix, block_prefix, tier_prefix = ARGV[1], ARGV[2], ARGV[3]
-local removed = 0
-for _, field in ipairs(redis.call('SMEMBERS', pods)) do
-  if string.sub(field, 1, #pod_prefix) == pod_prefix then
-    local tier_set = tier_prefix .. string.sub(field, #pod_prefix + 1)
-    repeat
-      local keys = redis.call('SPOP', tier_set, 1000)
-      if #keys > 0 then
-        local block_names, after = {}, {}
-        for i, key in ipairs(keys) do block_names[i] = block_prefix .. key end
-        local before = redis.call('MGET', unpack(block_names))
-        for i, name in ipairs(block_names) do
-          after[name] = before[i] and without(before[i], field)
-        end
-        save_blocks(block_names, before, after)
-      end
-      removed = removed + #keys
-    until #keys == 0
-    redis.call('SREM', pods, field)
+local pod_prefix, block_prefix, tier_prefix, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+
+-- Drop the entry field from the blocks of keys (just popped from its tier set); as in a remove,
+-- the engine hashes of a key go when the pod no longer holds it on any tier. So every invariant
+-- holds between two calls.
+local function drop(field, keys)
+  local block_names, after, orphans = {}, {}, {}
+  for i, key in ipairs(keys) do block_names[i] = block_prefix .. key end
+  local before = redis.call('MGET', unpack(block_names))
+  for i, name in ipairs(block_names) do
+    local rest = before[i] and without(before[i], field)
+    after[name] = rest
+    if not (rest and has_prefix(rest, pod_prefix)) then orphans[#orphans + 1] = keys[i] end
   end
+  save_blocks(block_names, before, after)
+  if #orphans == 0 then return end
+  local linked = redis.call('HMGET', hashes_of, unpack(orphans))
+  local gone = {}
+  for i = 1, #orphans do
+    if linked[i] then
+      for h in string.gmatch(linked[i], '%S+') do gone[#gone + 1] = h end
+    end
+  end
+  call_many('HDEL', engine, gone)
+  redis.call('HDEL', hashes_of, unpack(orphans))
 end
-redis.call('DEL', engine, hashes_of)
-return removed
+
+-- Returns the entries removed and whether the pod has entries left.
+local function run()
+  local removed = 0
+  for _, field in ipairs(redis.call('SMEMBERS', pods)) do
+    if string.sub(field, 1, #pod_prefix) == pod_prefix then
+      if removed == limit then return removed, true end
+      local tier_set = tier_prefix .. string.sub(field, #pod_prefix + 1)
+      local keys
+      repeat
+        keys = redis.call('SPOP', tier_set, math.min(1000, limit - removed))
+        if #keys > 0 then drop(field, keys) end
+        removed = removed + #keys
+      until #keys == 0 or removed == limit
+      if redis.call('EXISTS', tier_set) == 1 then return removed, true end
+      redis.call('SREM', pods, field)
+    end
+  end
+  redis.call('DEL', engine, hashes_of)
+  return removed, false
+end
+
+local removed, more = run()
+record_progress(not more)
+return {removed, more and 1 or 0}
 """
 )
 
-# KEYS: pods set. ARGV: block prefix, pod prefix "kv:{M}:p:".
-_CLEAR_MODEL = _Script("""#!lua
-local pods = KEYS[1]
-local block_prefix, pod_prefix = ARGV[1], ARGV[2]
-local removed = 0
-for _, field in ipairs(redis.call('SMEMBERS', pods)) do
-  local at = string.find(field, '@', 1, true)
-  local pod = pod_prefix .. string.sub(field, 1, at - 1)
-  local tier_set = pod .. ':t:' .. string.sub(field, at + 1)
-  repeat
-    local keys = redis.call('SPOP', tier_set, 1000)
-    if #keys > 0 then
-      for i = 1, #keys do keys[i] = block_prefix .. keys[i] end
-      redis.call('DEL', unpack(keys))
-    end
-    removed = removed + #keys
-  until #keys == 0
-  redis.call('DEL', pod .. ':e', pod .. ':k')
-end
-redis.call('DEL', pods)
-return removed
+# KEYS: seq hash. ARGV: encoded holder, seq. A Progress with no write to go with: a script rather
+# than a plain HSET, so that when the server has lost the scripts it is refused (and sent again)
+# with the calls before it, and never lands before them.
+_PROGRESS = _Script("""#!lua
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 0
 """)
 
 # KEYS: pods set. ARGV: pod prefix "kv:{M}:p:". Returns a flat list: "P@T", count, ...
@@ -489,7 +563,7 @@ end
 return out
 """)
 
-_SCRIPTS = (_STORE, _REMOVE, _CLEAR_POD, _CLEAR_MODEL, _POD_BLOCKS)
+_SCRIPTS = (_STORE, _REMOVE, _CLEAR_POD, _PROGRESS, _POD_BLOCKS)
 
 
 def _raise_if_error(reply: Any) -> Any:
@@ -541,6 +615,71 @@ def _parse_holders(joined: bytes) -> HolderMap:
     return holders
 
 
+class _Pipelines:
+    """The calls of one ``apply_updates``, sent in order, in pipelines of at most ``slice_blocks``
+    of work (blocks, engine hashes, or the most entries a clear may remove): Valkey runs a
+    client's pipelined commands back to back, so other clients only get in between round trips.
+    Adds each call's count to ``counts`` at its update's position."""
+
+    def __init__(self, index: RedisIndex, counts: list[int], new_models: list[str]) -> None:
+        self._index = index
+        self._counts = counts
+        self._new_models = new_models  # sent with the first pipeline
+        self._calls: list[tuple[int, _Call]] = []  # (position in updates, call)
+        self._work = 0
+
+    def room(self) -> int:
+        """The work that still fits in the pending pipeline."""
+        return self._index.slice_blocks - self._work
+
+    def add(self, position: int, call: _Call, work: int) -> None:
+        """Queue ``call`` for the update at ``position``, first sending what is pending if the
+        call does not fit."""
+        if self._work and self._work + work > self._index.slice_blocks:
+            self.flush()
+        self._calls.append((position, call))
+        self._work += work
+
+    def flush(self) -> bool:
+        """Send what is pending in one round trip (and, when the server had lost the scripts,
+        two more). Returns whether the last call was a ``clear_pod`` that left entries."""
+        calls, self._calls, self._work = self._calls, [], 0
+        index, models = self._index, self._new_models
+        if not calls and not models:
+            return False
+        pipe = index._client.pipeline(transaction=False)
+        if models:
+            pipe.sadd(index._models_key, *(m.encode() for m in models))
+        for _, (script, keys, args) in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        if models:
+            _raise_if_error(replies[0])
+            index._models_seen.update(models)
+            self._new_models = []
+            replies = replies[1:]
+
+        refused = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if refused:
+            index._load_scripts()
+            pipe = index._client.pipeline(transaction=False)
+            for n in refused:
+                script, keys, args = calls[n][1]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            for n, reply in zip(refused, pipe.execute(raise_on_error=False), strict=True):
+                replies[n] = reply
+        more = False
+        for (position, (script, _, _)), reply in zip(calls, replies, strict=True):
+            _raise_if_error(reply)
+            if script is _CLEAR_POD:
+                self._counts[position] += int(reply[0])
+                more = bool(reply[1])
+            else:
+                self._counts[position] += int(reply)
+                more = False
+        return more
+
+
 class RedisIndex:
     """A ``KVIndex`` in a Redis or Valkey server (layout and guarantees: module docstring).
 
@@ -548,16 +687,32 @@ class RedisIndex:
     Connection and timeout errors surface as ``IndexUnavailable``.
     """
 
-    def __init__(self, client: redis.Redis, *, namespace: str = DEFAULT_NAMESPACE) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        slice_blocks: int = DEFAULT_SLICE_BLOCKS,
+    ) -> None:
         if not namespace or any(c in namespace for c in "{} ") or not namespace.isprintable():
             raise ValueError("namespace must be non-empty, printable, and free of '{', '}' and spaces")
+        if slice_blocks < 1:
+            raise ValueError("slice_blocks must be at least 1")
+        self.slice_blocks = slice_blocks
         self._client = client
         self._namespace = namespace
         self._models_key = namespace.encode() + b":models"
         self._models_seen: set[str] = set()  # set.add is atomic: no lock needed
 
     @classmethod
-    def from_url(cls, url: str, *, namespace: str = DEFAULT_NAMESPACE, **options: Any) -> RedisIndex:
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        slice_blocks: int = DEFAULT_SLICE_BLOCKS,
+        **options: Any,
+    ) -> RedisIndex:
         """Connect to ``redis://``, ``rediss://`` or ``unix://`` ``url``; ``options`` go to
         ``redis.Redis.from_url`` (e.g. ``max_connections``, ``socket_timeout``).
 
@@ -567,93 +722,103 @@ class RedisIndex:
             raise ValueError("the Redis index needs decode_responses=False")
         options.setdefault("socket_connect_timeout", 5)
         options.setdefault("health_check_interval", 30)
-        return cls(redis.Redis.from_url(url, decode_responses=False, **options), namespace=namespace)
+        client = redis.Redis.from_url(url, decode_responses=False, **options)
+        return cls(client, namespace=namespace, slice_blocks=slice_blocks)
 
     # -- writes ---------------------------------------------------------------------------------
 
-    @_unavailable_on_connection_error
     def store(self, *, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> None:
-        if not blocks:
-            return
-        self._note_model(model)
-        self._run(*self._store_call(model, pod, tier, blocks))
+        if blocks:
+            self.apply_updates([Store(model, pod, tier, blocks)])
 
-    @_unavailable_on_connection_error
     def remove(self, *, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
-        if not engine_hashes:
-            return 0
-        return int(self._run(*self._remove_call(model, pod, tier, engine_hashes)))
+        return self.apply_updates([Remove(model, pod, tier, engine_hashes)])[0]
 
     @_unavailable_on_connection_error
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod``; returns the number of ``(key, tier)`` entries. With
-        ``model=None`` it walks every model in ``kv:models`` (one atomic script per model)."""
+        ``model=None`` it walks every model in ``kv:models``."""
         models = self._models() if model is None else [model]
-        return sum(int(self._run(*self._clear_pod_call(m, pod))) for m in models)
+        return sum(self.apply_updates([ClearPod(m, pod) for m in models]))
 
     @_unavailable_on_connection_error
     def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
-        """Apply ``updates`` in order (see ``KVIndex``): one non-transactional pipeline of the
-        scripts that ``store``, ``remove`` and ``clear_pod`` run, so each update is atomic and
-        another client may see a prefix of them applied. Empty stores and removes are not sent;
-        models this client has not written yet are added to ``kv:models`` in the same pipeline.
-        ``TypeError`` for anything that is not an ``IndexUpdate``, before anything is sent.
+        """Apply ``updates`` in order (see ``KVIndex``) with the scripts of the module
+        docstring, in non-transactional pipelines of at most ``slice_blocks`` blocks, engine
+        hashes or cleared entries of work each (one pipeline for a batch of small updates): a
+        store or remove of more is cut into slices, one script call each, and a ``clear_pod``
+        ends its pipeline, then runs again, one call per round trip, until the pod is empty.
+        Another client may see a prefix of the calls applied. A ``Progress`` rides as the last
+        arguments of the (last) call of the update before it, or else is a call of its own.
+        Empty stores and removes are not sent; models this client has not written yet are added
+        to ``kv:models`` in the first pipeline. ``TypeError`` for anything that is not an
+        ``IndexUpdate``, before anything is sent.
 
         When the server has lost the scripts (``SCRIPT FLUSH``, a restart), all of them are
-        loaded and the updates it refused are sent again, in order: two more round trips. Only
-        if another client reloaded the scripts while this pipeline ran (the server refusing an
-        update and running a later one) can an update run before one that precedes it."""
-        calls: list[tuple[int, _Call]] = []  # (position in updates, call)
-        counts = [0] * len(updates)
+        loaded and the calls it refused are sent again, in order: two more round trips. Only
+        if another client reloaded the scripts while a pipeline ran (the server refusing a call
+        and running a later one) can a call run before one that precedes it."""
         new_models: set[str] = set()
-        for i, update in enumerate(updates):
-            if isinstance(update, Store):
-                if update.blocks:
-                    calls.append((i, self._store_call(update.model, update.pod, update.tier, update.blocks)))
-                    if update.model not in self._models_seen:
-                        new_models.add(update.model)
-            elif isinstance(update, Remove):
-                if update.engine_hashes:
-                    call = self._remove_call(update.model, update.pod, update.tier, update.engine_hashes)
-                    calls.append((i, call))
-            elif isinstance(update, ClearPod):
-                calls.append((i, self._clear_pod_call(update.model, update.pod)))
-            else:
+        for update in updates:
+            if not isinstance(update, (Store, Remove, ClearPod, Progress)):
                 raise TypeError(f"not an index update: {update!r}")
-        if not calls:
-            return counts
-
-        pipe = self._client.pipeline(transaction=False)
-        if new_models:
-            pipe.sadd(self._models_key, *(m.encode() for m in sorted(new_models)))
-        for _, (script, keys, args) in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        replies = pipe.execute(raise_on_error=False)
-        if new_models:
-            _raise_if_error(replies[0])
-            self._models_seen.update(new_models)
-            replies = replies[1:]
-
-        refused = []
-        for (i, call), reply in zip(calls, replies, strict=True):
-            if isinstance(reply, NoScriptError):
-                refused.append((i, call))
+            if (isinstance(update, Progress) or (isinstance(update, Store) and update.blocks)) and (
+                update.model not in self._models_seen
+            ):
+                new_models.add(update.model)
+        counts = [0] * len(updates)
+        pipelines = _Pipelines(self, counts, sorted(new_models))
+        size = self.slice_blocks
+        attached = False  # is updates[i] a Progress sent with the update before it?
+        for i, update in enumerate(updates):
+            if isinstance(update, Progress):
+                if not attached:
+                    mk = _model_keys(self._namespace, update.model)
+                    pipelines.add(i, (_PROGRESS, [mk.seq], [encode_name(update.pod), update.seq]), 0)
+                attached = False
+                continue
+            follower = updates[i + 1] if i + 1 < len(updates) else None
+            progress = _NO_PROGRESS
+            if isinstance(follower, Progress) and follower.model == update.model:
+                mk = _model_keys(self._namespace, update.model)
+                progress = (mk.seq, encode_name(follower.pod), follower.seq)
+            if isinstance(update, (Store, Remove)):
+                store = isinstance(update, Store)
+                items = update.blocks if store else update.engine_hashes
+                make_call = self._store_call if store else self._remove_call
+                parts = slices(items, size) if items else []  # an empty one is not sent
+                attached = bool(parts) and progress is not _NO_PROGRESS
+                for n, part in enumerate(parts, start=1):
+                    last = progress if n == len(parts) else _NO_PROGRESS
+                    pipelines.add(i, make_call(update.model, update.pod, update.tier, part, last), len(part))
             else:
-                counts[i] = int(_raise_if_error(reply))
-        if refused:
-            self._load_scripts()
-            pipe = self._client.pipeline(transaction=False)
-            for _, (script, keys, args) in refused:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            for (i, _), reply in zip(refused, pipe.execute(raise_on_error=False), strict=True):
-                counts[i] = int(_raise_if_error(reply))
+                attached = progress is not _NO_PROGRESS
+                limit = pipelines.room()
+                if limit < 1:
+                    pipelines.flush()
+                    limit = size
+                pipelines.add(i, self._clear_pod_call(update.model, update.pod, limit, progress), limit)
+                more = pipelines.flush()
+                while more:
+                    call = self._clear_pod_call(update.model, update.pod, size, progress)
+                    removed, more = self._run(*call)
+                    counts[i] += int(removed)
+        pipelines.flush()
         return counts
 
     @_unavailable_on_connection_error
     def clear_model(self, *, model: str) -> int:
-        """Remove everything under ``model``; returns the number of ``(key, pod, tier)`` entries."""
-        mk = _model_keys(self._namespace, model)
-        return int(self._run(_CLEAR_MODEL, [mk.pods], [mk.block_prefix, mk.pod_prefix]))
+        """Remove everything under ``model``: ``clear_pod`` of every pod it lists; returns the
+        number of ``(key, pod, tier)`` entries."""
+        fields = self._client.smembers(_model_keys(self._namespace, model).pods)
+        pods = sorted({decode_name(field.partition(b"@")[0]) for field in fields})
+        return sum(self.apply_updates([ClearPod(model, pod) for pod in pods]))
+
+    @_unavailable_on_connection_error
+    def set_epoch(self, *, model: str, value: str, if_absent: bool = False) -> bool:
+        """``SET`` (``NX`` with ``if_absent``) of the model's ``epoch`` string."""
+        epoch = _model_keys(self._namespace, model).epoch
+        return bool(self._client.set(epoch, value.encode(), nx=if_absent))
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -712,6 +877,30 @@ class RedisIndex:
             out += (PodBlocks(model=m, pod=pod, blocks_by_tier=by_pod[pod]) for pod in sorted(by_pod))
         return out
 
+    @_unavailable_on_connection_error
+    def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
+        """``HGETALL`` of the ``seq`` hash of each model (every model in ``kv:models`` when
+        ``None``), pipelined: one round trip."""
+        models = sorted(self._models()) if model is None else [model]
+        pipe = self._client.pipeline(transaction=False)
+        for m in models:
+            pipe.hgetall(_model_keys(self._namespace, m).seq)
+        return {
+            (m, decode_name(holder)): int(seq)
+            for m, recorded in zip(models, pipe.execute(), strict=True)
+            for holder, seq in recorded.items()
+        }
+
+    @_unavailable_on_connection_error
+    def epochs(self, models: Sequence[str]) -> list[str | None]:
+        """One ``GET`` per model, pipelined (their keys are in different slots): one round trip."""
+        if not models:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for m in models:
+            pipe.get(_model_keys(self._namespace, m).epoch)
+        return [None if value is None else value.decode() for value in pipe.execute()]
+
     def ping(self) -> None:
         """Raise ``IndexUnavailable`` unless the server answers."""
         try:
@@ -724,8 +913,11 @@ class RedisIndex:
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    def _store_call(self, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> _Call:
-        """The script, keys and arguments of a store of non-empty ``blocks``."""
+    def _store_call(
+        self, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock], progress: _ProgressArgs
+    ) -> _Call:
+        """The script, keys and arguments of a store of non-empty ``blocks``, ending with
+        ``progress``."""
         mk = _model_keys(self._namespace, model)
         p, t = encode_name(pod), encode_name(tier)
         tier_prefix, engine, hashes_of = mk.pod_keys(p)
@@ -738,22 +930,28 @@ class RedisIndex:
         args: list[bytes | int] = [p + b"@" + t, p + b"@", b"1" if distinct else b"0", *hex_keys]
         args += engine_hashes
         args += [b.digest for b in blocks]
+        args += progress
         return _STORE, keys, args
 
-    def _remove_call(self, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> _Call:
-        """The script, keys and arguments of a remove of non-empty ``engine_hashes``."""
+    def _remove_call(
+        self, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int], progress: _ProgressArgs
+    ) -> _Call:
+        """The script, keys and arguments of a remove of non-empty ``engine_hashes``, ending with
+        ``progress``."""
         mk = _model_keys(self._namespace, model)
         p, t = encode_name(pod), encode_name(tier)
         tier_prefix, engine, hashes_of = mk.pod_keys(p)
         keys = [engine, hashes_of, mk.pods, tier_prefix + t]
-        return _REMOVE, keys, [p + b"@" + t, mk.block_prefix, p + b"@", *engine_hashes]
+        return _REMOVE, keys, [p + b"@" + t, mk.block_prefix, p + b"@", *engine_hashes, *progress]
 
-    def _clear_pod_call(self, model: str, pod: str) -> _Call:
-        """The script, keys and arguments of a ``clear_pod`` under one model."""
+    def _clear_pod_call(self, model: str, pod: str, limit: int, progress: _ProgressArgs) -> _Call:
+        """The script, keys and arguments of one call of a ``clear_pod`` under one model that
+        removes at most ``limit`` entries, with ``progress`` recorded when it finishes the pod."""
         mk = _model_keys(self._namespace, model)
         p = encode_name(pod)
         tier_prefix, engine, hashes_of = mk.pod_keys(p)
-        return _CLEAR_POD, [mk.pods, engine, hashes_of], [p + b"@", mk.block_prefix, tier_prefix]
+        args = [p + b"@", mk.block_prefix, tier_prefix, limit, *progress]
+        return _CLEAR_POD, [mk.pods, engine, hashes_of], args
 
     def _run(self, script: _Script, keys: Sequence[bytes], args: Sequence[bytes | int]) -> Any:
         """Run ``script`` with ``EVALSHA``; if the server does not know it, load every script and
@@ -772,13 +970,6 @@ class RedisIndex:
         for script in _SCRIPTS:
             pipe.script_load(script.source)
         pipe.execute()
-
-    def _note_model(self, model: str) -> None:
-        """Add ``model`` to ``kv:models`` the first time this client writes it."""
-        if model in self._models_seen:
-            return
-        self._client.sadd(self._models_key, model.encode())
-        self._models_seen.add(model)
 
     def _models(self) -> list[str]:
         return [m.decode() for m in self._client.smembers(self._models_key)]

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from scoring.index import KVIndex, MemoryIndex, PodBlocks, open_index
-from scoring.index.base import ClearPod, IndexUpdate, Remove, Store
+from scoring.index import KVIndex, MemoryIndex, PodBlocks, StoredBlock, open_index
+from scoring.index.base import ClearPod, IndexUpdate, Progress, Remove, Store
 from tests.index import MODEL, chain, hashes, keys
 
 A, B, C, D = chain(4)
@@ -36,7 +36,26 @@ def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     idx.close()
 
 
-# -- store and lookup ---------------------------------------------------------------------------
+@pytest.fixture(params=["memory", "redis"])
+def tiny_slices(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
+    """An index that cuts every write into slices of at most 3 blocks, hashes or entries."""
+    if request.param == "memory":
+        idx: KVIndex = MemoryIndex(pod_cache_size=1000, slice_blocks=3)
+    else:
+        idx = open_index(request.getfixturevalue("redis_url"), slice_blocks=3)
+    yield idx
+    idx.close()
+
+
+def adopted(n: int, *, first: int = 1) -> list[StoredBlock]:
+    """``n`` adopted blocks (digest = the key's 8 bytes, engine hash = key + 10**12): cheap in bulk."""
+    return [
+        StoredBlock(key=k, engine_hash=10**12 + k, digest=k.to_bytes(8, "big"))
+        for k in range(first, first + n)
+    ]
+
+
+# -- store and lookup --------------------------------------------------------------------------
 
 
 def test_lookup_returns_every_pod_that_stored_the_blocks(index: KVIndex) -> None:
@@ -105,7 +124,7 @@ def test_empty_writes_change_nothing(index: KVIndex) -> None:
     assert index.pod_blocks() == []
 
 
-# -- remove and the engine-hash map ---------------------------------------------------------------
+# -- remove and the engine-hash map ------------------------------------------------------------
 
 
 def test_remove_evicts_exactly_the_pod_and_tier_given(index: KVIndex) -> None:
@@ -179,7 +198,7 @@ def test_an_engine_hash_reported_again_points_at_the_newest_block(index: KVIndex
     assert index.lookup(model=MODEL, keys=[A.key]) == [{"pod1": GPU}]  # still held, by no hash
 
 
-# -- clearing and counting -------------------------------------------------------------------------
+# -- clearing and counting ---------------------------------------------------------------------
 
 
 def test_clear_pod_removes_only_that_pod(index: KVIndex) -> None:
@@ -381,6 +400,221 @@ def test_apply_updates_agrees_with_single_calls_on_a_random_workload(index: KVIn
     assert [(p.pod, p.blocks_by_tier) for p in index.pod_blocks(model=MODEL)] == [
         (p.pod, p.blocks_by_tier) for p in index.pod_blocks(model="single")
     ]
+
+
+def test_apply_updates_in_slices_agrees_with_whole_updates_on_a_random_workload(
+    tiny_slices: KVIndex,
+) -> None:
+    rng = random.Random(8)
+    oracle = MemoryIndex(pod_cache_size=1000)  # slices of 4096: every update here is whole
+    blocks = chain(10) + chain(4, first_token=1000, engine_hash_offset=77) + chain(3, engine_hash_offset=77)
+    pods, tiers = ["p1", "p2", "p3"], ["gpu", "cpu"]
+    for n in range(40):
+        batch: list[IndexUpdate] = []
+        for _ in range(rng.randrange(1, 12)):
+            pod, tier, action = rng.choice(pods), rng.choice(tiers), rng.random()
+            if action < 0.5:
+                start = rng.randrange(len(blocks))
+                batch.append(Store(MODEL, pod, tier, blocks[start : start + rng.randrange(1, 11)]))
+            elif action < 0.8:
+                batch.append(Remove(MODEL, pod, tier, hashes(rng.sample(blocks, rng.randrange(1, 9)))))
+            elif action < 0.9:
+                batch.append(ClearPod(MODEL, pod))
+            else:
+                batch.append(Progress(MODEL, pod, n))
+
+        assert tiny_slices.apply_updates(batch) == oracle.apply_updates(batch)
+        for pod in pods:
+            assert tiny_slices.resolve(model=MODEL, pod=pod, engine_hashes=hashes(blocks)) == oracle.resolve(
+                model=MODEL, pod=pod, engine_hashes=hashes(blocks)
+            )
+        for k in keys(blocks):
+            assert tiny_slices.lookup(model=MODEL, keys=[k]) == oracle.lookup(model=MODEL, keys=[k])
+        assert tiny_slices.pod_blocks() == oracle.pod_blocks()
+        assert tiny_slices.progress() == oracle.progress()
+
+
+def test_a_clear_in_slices_removes_the_whole_pod_and_counts_every_entry(tiny_slices: KVIndex) -> None:
+    blocks = chain(10)
+    tiny_slices.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    tiny_slices.store(model=MODEL, pod="pod1", tier="cpu", blocks=blocks[:5])
+    tiny_slices.store(model=MODEL, pod="pod2", tier="gpu", blocks=blocks[:2])
+
+    assert tiny_slices.apply_updates([ClearPod(MODEL, "pod1"), Progress(MODEL, "pod1", 3)]) == [15, 0]
+    assert tiny_slices.pod_blocks() == [PodBlocks(MODEL, "pod2", {"gpu": 2})]
+    assert tiny_slices.resolve(model=MODEL, pod="pod1", engine_hashes=hashes(blocks)) == [None] * 10
+    assert tiny_slices.progress() == {(MODEL, "pod1"): 3}
+    assert tiny_slices.clear_model(model=MODEL) == 2
+    assert tiny_slices.pod_blocks() == []
+
+
+# -- slices of large writes --------------------------------------------------------------------
+
+
+def everything(index: KVIndex, blocks: list[StoredBlock]) -> tuple:
+    """What a reader can see of ``blocks`` under ``MODEL`` (pods pod1 and pod2)."""
+    return (
+        index.lookup(model=MODEL, keys=keys(blocks)),
+        index.lookup(model=MODEL, keys=keys(blocks), pods={"pod2"}),
+        [index.resolve(model=MODEL, pod=pod, engine_hashes=hashes(blocks)) for pod in ("pod1", "pod2")],
+        index.pod_blocks(),
+    )
+
+
+def test_a_65536_block_store_and_its_removal_match_the_same_in_small_writes(index: KVIndex) -> None:
+    blocks = adopted(65536)
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=blocks[:1000])
+
+    assert index.apply_updates([Store(MODEL, "pod1", "gpu", blocks), Progress(MODEL, "pod1", 1)]) == [
+        65536,
+        0,
+    ]
+    whole = everything(index, blocks)
+    assert index.progress() == {(MODEL, "pod1"): 1}
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks)) == 65536
+    after_whole_remove = everything(index, blocks)
+
+    for i in range(0, 65536, 1000):
+        index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks[i : i + 1000])
+    assert everything(index, blocks) == whole
+    removed = sum(
+        index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks[i : i + 1000]))
+        for i in range(0, 65536, 1000)
+    )
+    assert removed == 65536
+    assert everything(index, blocks) == after_whole_remove
+    assert after_whole_remove[0] == [{"pod2": GPU}] * 1000
+    assert index.pod_blocks() == [PodBlocks(MODEL, "pod2", {"gpu": 1000})]
+
+
+def test_clear_pod_of_a_big_pod_counts_every_entry(index: KVIndex) -> None:
+    blocks = adopted(20000)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    index.store(model=MODEL, pod="pod1", tier="cpu", blocks=blocks[:7000])
+    index.store(model=MODEL, pod="pod2", tier="gpu", blocks=blocks[:10])
+
+    assert index.clear_pod(pod="pod1", model=MODEL) == 27000
+    assert index.pod_blocks() == [PodBlocks(MODEL, "pod2", {"gpu": 10})]
+    assert index.lookup(model=MODEL, keys=keys(blocks)) == [{"pod2": GPU}] * 10
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=hashes(blocks[:5])) == [None] * 5
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    assert index.clear_model(model=MODEL) == 20010
+    assert index.pod_blocks() == []
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+
+def test_progress_is_recorded_per_model_and_holder(index: KVIndex) -> None:
+    counts = index.apply_updates(
+        [
+            Store(MODEL, "pod1", "gpu", FOUR),
+            Progress(MODEL, "pod1", 7),
+            Progress(MODEL, "pod1#dp1", 2),
+            Progress("other-model", "pod1", 40),
+        ]
+    )
+
+    assert counts == [4, 0, 0, 0]
+    assert index.progress() == {(MODEL, "pod1"): 7, (MODEL, "pod1#dp1"): 2, ("other-model", "pod1"): 40}
+    assert index.progress(model=MODEL) == {(MODEL, "pod1"): 7, (MODEL, "pod1#dp1"): 2}
+    assert index.progress(model="unknown") == {}
+
+
+def test_a_later_progress_replaces_the_seq_even_a_lower_one(index: KVIndex) -> None:
+    index.apply_updates([Progress(MODEL, "pod1", 7)])
+    index.apply_updates([Store(MODEL, "pod1", "gpu", [A]), Progress(MODEL, "pod1", 9)])
+    assert index.progress() == {(MODEL, "pod1"): 9}
+
+    index.apply_updates([Store(MODEL, "pod1", "gpu", [B]), Progress(MODEL, "pod1", 0)])  # a restart
+    assert index.progress() == {(MODEL, "pod1"): 0}
+
+
+def test_progress_follows_the_update_it_ends_in_the_same_call(index: KVIndex) -> None:
+    counts = index.apply_updates(
+        [
+            Store(MODEL, "pod1", "gpu", FOUR),
+            Progress(MODEL, "pod1", 1),
+            Remove(MODEL, "pod1", "gpu", [D.engine_hash]),
+            Progress(MODEL, "pod1", 2),
+            Store(MODEL, "pod2", "gpu", [A]),
+            ClearPod(MODEL, "pod2"),
+            Progress(MODEL, "pod2", 5),
+        ]
+    )
+
+    assert counts == [4, 0, 1, 0, 1, 1, 0]
+    assert index.lookup(model=MODEL, keys=keys(FOUR)) == [{"pod1": GPU}] * 3
+    assert index.progress() == {(MODEL, "pod1"): 2, (MODEL, "pod2"): 5}
+
+
+def test_progress_with_no_write_before_it_is_recorded_on_its_own(index: KVIndex) -> None:
+    counts = index.apply_updates(
+        [
+            Progress(MODEL, "pod1", 1),  # first
+            Store("other-model", "pod1", "gpu", [A]),
+            Progress(MODEL, "pod2", 2),  # after another model's update
+            Store(MODEL, "pod3", "gpu", []),
+            Progress(MODEL, "pod3", 3),  # after an empty store
+            Remove(MODEL, "pod4", "gpu", []),
+            Progress(MODEL, "pod4", 4),  # after an empty remove
+            Progress(MODEL, "pod4", 5),  # after another progress
+        ]
+    )
+
+    assert counts == [0, 1, 0, 0, 0, 0, 0, 0]
+    assert index.progress(model=MODEL) == {
+        (MODEL, "pod1"): 1,
+        (MODEL, "pod2"): 2,
+        (MODEL, "pod3"): 3,
+        (MODEL, "pod4"): 5,
+    }
+    assert index.pod_blocks() == [PodBlocks("other-model", "pod1", {"gpu": 1})]
+
+
+def test_clears_leave_progress(index: KVIndex) -> None:
+    index.apply_updates([Store(MODEL, "pod1", "gpu", FOUR), Progress(MODEL, "pod1", 12)])
+    index.apply_updates([Store("other-model", "pod1", "gpu", FOUR), Progress("other-model", "pod1", 4)])
+
+    index.clear_pod(pod="pod1")
+    index.clear_model(model=MODEL)
+
+    assert index.progress() == {(MODEL, "pod1"): 12, ("other-model", "pod1"): 4}
+    assert index.pod_blocks() == []
+
+
+# -- epoch markers -----------------------------------------------------------------------------
+
+
+def test_a_model_without_an_epoch_marker_has_none(index: KVIndex) -> None:
+    assert index.epochs([MODEL]) == [None]
+    assert index.epochs([]) == []
+
+
+def test_set_epoch_if_absent_writes_only_the_first_marker(index: KVIndex) -> None:
+    assert index.set_epoch(model=MODEL, value="first", if_absent=True) is True
+    assert index.set_epoch(model=MODEL, value="second", if_absent=True) is False
+    assert index.epochs([MODEL]) == ["first"]
+
+    assert index.set_epoch(model=MODEL, value="third") is True
+    assert index.epochs([MODEL]) == ["third"]
+
+
+def test_epochs_reads_several_models_in_order(index: KVIndex) -> None:
+    index.set_epoch(model="m1", value="abc:ready")
+    index.set_epoch(model="m/3", value="")
+
+    assert index.epochs(["m/3", "m2", "m1", "m1"]) == ["", None, "abc:ready", "abc:ready"]
+
+
+def test_clears_leave_the_epoch_marker(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=FOUR)
+    index.set_epoch(model=MODEL, value="token")
+
+    index.clear_pod(pod="pod1", model=MODEL)
+    index.clear_model(model=MODEL)
+
+    assert index.epochs([MODEL]) == ["token"]
 
 
 # -- names -------------------------------------------------------------------------------------

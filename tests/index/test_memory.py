@@ -1,4 +1,5 @@
-"""The in-memory index: its bounds, what they evict, and that eviction keeps every map consistent."""
+"""The in-memory index: its bounds, what they evict, and that eviction keeps every map consistent;
+how its writes let go of the lock between slices."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from collections.abc import Callable
 import pytest
 
 from scoring.index import MemoryIndex, PodBlocks, open_index
-from scoring.index.base import ClearPod, Remove, Store
+from scoring.index.base import ClearPod, Progress, Remove, Store, StoredBlock
 from scoring.index.memory import (
     DEFAULT_MAX_KEYS,
     DEFAULT_POD_CACHE_SIZE,
+    DEFAULT_SLICE_BLOCKS,
     ENGINE_ENTRY_BYTES,
     HOLDER_ENTRY_BYTES,
     KEY_ENTRY_BYTES,
@@ -188,12 +190,19 @@ class CountingLock:
         self._lock = threading.Lock()
         self.taken = 0
 
-    def __enter__(self) -> None:
+    def acquire(self) -> bool:
         self._lock.acquire()
         self.taken += 1
+        return True
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        self.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+        self.release()
 
 
 def test_apply_updates_takes_the_lock_once_for_the_whole_batch() -> None:
@@ -211,6 +220,64 @@ def test_apply_updates_takes_the_lock_once_for_the_whole_batch() -> None:
 
     assert counts == [2, 1, 0, 1]
     assert lock.taken == 1
+
+
+def test_a_large_store_lets_go_of_the_lock_between_slices() -> None:
+    index = MemoryIndex()
+    index._lock = lock = CountingLock()  # type: ignore[assignment]
+    blocks = [StoredBlock(key=k, engine_hash=k, digest=k.to_bytes(8, "big")) for k in range(1, 65537)]
+
+    counts = index.apply_updates([Store(MODEL, "pod1", "gpu", blocks), Progress(MODEL, "pod1", 3)])
+
+    assert counts == [65536, 0]
+    assert lock.taken == 65536 // DEFAULT_SLICE_BLOCKS == 16  # the progress rides on the last hold
+    lock.taken = 0
+    assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks)) == 65536
+    assert lock.taken == 16
+
+
+class CheckingLock(CountingLock):
+    """A lock that checks the invariants of ``index`` (and notes its progress and blocks) each
+    time it is let go, so at every moment a reader could take it."""
+
+    def __init__(self, index: MemoryIndex) -> None:
+        super().__init__()
+        self.index = index
+        self.seen: list[tuple[dict, int]] = []  # (progress, keys indexed) at each release
+
+    def release(self) -> None:
+        assert_consistent(self.index)
+        self.seen.append((dict(self.index._progress), len(self.index)))
+        super().release()
+
+
+def test_every_invariant_holds_whenever_a_write_in_slices_lets_go_of_the_lock() -> None:
+    index = MemoryIndex(slice_blocks=3)
+    index._lock = lock = CheckingLock(index)  # type: ignore[assignment]
+    blocks = chain(10)
+
+    index.apply_updates(
+        [
+            Store(MODEL, "pod1", "gpu", blocks),
+            Store(MODEL, "pod1", "cpu", blocks[:7]),
+            Store(MODEL, "pod2", "gpu", blocks[:4]),
+            Remove(MODEL, "pod1", "gpu", hashes(blocks[2:9])),
+            ClearPod(MODEL, "pod1"),
+        ]
+    )
+    assert index.clear_model(model=MODEL) == 4
+
+    assert lock.taken > 10
+    assert index.pod_blocks() == []
+
+
+def test_a_progress_is_let_out_with_the_last_slice_of_the_update_before_it() -> None:
+    index = MemoryIndex(slice_blocks=3)
+    index._lock = lock = CheckingLock(index)  # type: ignore[assignment]
+
+    index.apply_updates([Store(MODEL, "pod1", "gpu", chain(10)), Progress(MODEL, "pod1", 4)])
+
+    assert lock.seen == [({}, 3), ({}, 6), ({}, 8), ({(MODEL, "pod1"): 4}, 10)]  # slices 3, 3, 2, 2
 
 
 def test_apply_updates_keeps_the_bounds() -> None:
@@ -239,17 +306,19 @@ def test_close_empties_the_index() -> None:
     assert len(index) == 0 and index.pod_blocks() == []
 
 
-@pytest.mark.parametrize("options", [{"max_keys": 0}, {"pod_cache_size": 0}, {"max_bytes": 0}])
+@pytest.mark.parametrize(
+    "options", [{"max_keys": 0}, {"pod_cache_size": 0}, {"max_bytes": 0}, {"slice_blocks": 0}]
+)
 def test_bounds_must_be_positive(options: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         MemoryIndex(**options)
 
 
 def test_open_index_reads_memory_options_from_the_url() -> None:
-    index = open_index("memory://?max_keys=1_000&pod_cache_size=3")
+    index = open_index("memory://?max_keys=1_000&pod_cache_size=3&slice_blocks=64")
 
     assert isinstance(index, MemoryIndex)
-    assert (index.max_keys, index.pod_cache_size) == (1000, 3)
+    assert (index.max_keys, index.pod_cache_size, index.slice_blocks) == (1000, 3, 64)
     assert open_index("memory://?max_keys=5", max_keys=7).max_keys == 7
     assert open_index("memory://").max_keys == DEFAULT_MAX_KEYS
 

@@ -1,5 +1,6 @@
-"""The Redis/Valkey index: its key layout, Cluster readiness, atomicity, round trips, failures,
-and agreement with the in-memory index on a random workload."""
+"""The Redis/Valkey index: its key layout, Cluster readiness, atomicity, round trips, slices,
+progress riding on the writes, failures, and agreement with the in-memory index on a random
+workload."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import redis
 from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
-from scoring.index import IndexUnavailable, MemoryIndex, StoredBlock, open_index
-from scoring.index.base import ClearPod, Remove, Store
-from scoring.index.redis import RedisIndex, decode_name, encode_name
+from scoring.index import IndexUnavailable, MemoryIndex, PodBlocks, StoredBlock, open_index
+from scoring.index.base import ClearPod, Progress, Remove, Store
+from scoring.index.redis import _NO_PROGRESS, RedisIndex, decode_name, encode_name
 from scoring.keys import key_of
 from tests.index import MODEL, chain, hashes, keys
 from tests.servers import RedisServer, free_port
@@ -111,6 +112,18 @@ def test_every_key_of_a_model_is_in_one_cluster_slot(
     names = [name for name in server.scan_iter() if name != b"kv:models"]
     assert len(names) == 9  # 2 blocks, 3 per pod, the pods set
     assert {hash_tag(name) for name in names} == {encode_name(model)}
+    assert len({key_slot(name) for name in names}) == 1
+
+
+def test_progress_and_the_epoch_marker_follow_the_documented_layout(
+    index: RedisIndex, server: redis.Redis
+) -> None:
+    index.apply_updates([Store("a}b", "pod:1", "gpu", [A]), Progress("a}b", "pod:1#dp1", 42)])
+    index.set_epoch(model="a}b", value="token:ready")
+
+    assert server.hgetall("kv:{a%7Db}:seq") == {b"pod%3A1%23dp1": b"42"}
+    assert server.get("kv:{a%7Db}:epoch") == b"token:ready"
+    names = [name for name in server.scan_iter() if name != b"kv:models"]
     assert len({key_slot(name) for name in names}) == 1
 
 
@@ -248,6 +261,144 @@ def test_apply_updates_loads_the_scripts_again_after_a_script_flush(
     assert index.lookup(model=MODEL, keys=[A.key, B.key]) == []
     assert index.lookup(model=MODEL, keys=[B.key]) == [{"pod1": CPU, "pod2": GPU}]
     assert_consistent(server)
+
+
+def test_progress_is_recorded_in_order_after_a_script_flush(
+    index: RedisIndex, server: redis.Redis, round_trips: list[bytes]
+) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])
+    server.script_flush()
+    round_trips.clear()
+
+    counts = index.apply_updates(
+        [
+            Store(MODEL, "pod1", "cpu", [A, B]),
+            Progress(MODEL, "pod1", 7),
+            Progress(MODEL, "pod2", 1),  # on its own: a script too, refused and resent in order
+            Remove(MODEL, "pod1", "gpu", [A.engine_hash]),
+            Progress(MODEL, "pod1", 8),
+        ]
+    )
+
+    assert counts == [2, 0, 0, 1, 0]
+    assert len(round_trips) == 3  # refused, scripts loaded, sent again
+    assert b"\r\nHSET\r\n" not in b"".join(round_trips)
+    assert index.progress() == {(MODEL, "pod1"): 8, (MODEL, "pod2"): 1}
+    assert index.lookup(model=MODEL, keys=[A.key, B.key]) == [{"pod1": CPU}] * 2
+
+
+@pytest.fixture
+def sliced(redis_url: str) -> Iterator[RedisIndex]:
+    """An index that cuts every write into slices of at most 4 blocks, hashes or entries."""
+    idx = RedisIndex.from_url(redis_url, slice_blocks=4, client_name="kv-index-under-test")
+    yield idx
+    idx.close()
+
+
+def warm_up(index: RedisIndex, round_trips: list[bytes]) -> None:
+    """Set up the connection that the index reuses from here on, load the scripts, and forget
+    what that sent."""
+    index.remove(model=MODEL, pod="nobody", tier="gpu", engine_hashes=[1])
+    round_trips.clear()
+
+
+def test_each_round_trip_carries_at_most_a_slice_of_work(
+    sliced: RedisIndex, round_trips: list[bytes]
+) -> None:
+    blocks = chain(10)
+    warm_up(sliced, round_trips)
+
+    counts = sliced.apply_updates(
+        [
+            Store(MODEL, "pod1", "gpu", blocks[:1]),
+            Store(MODEL, "pod2", "gpu", blocks[:2]),
+            Remove(MODEL, "pod2", "gpu", hashes(blocks[:1])),  # 4 so far: one round trip
+            Store(MODEL, "pod3", "gpu", blocks[:3]),
+            Store(MODEL, "pod4", "gpu", blocks),  # slices of 4, 3, 3
+        ]
+    )
+
+    assert counts == [1, 2, 1, 3, 10]
+    assert [sent.count(b"EVALSHA") for sent in round_trips] == [3, 1, 1, 1, 1]
+    assert sliced.pod_blocks() == [
+        PodBlocks(MODEL, "pod1", {"gpu": 1}),
+        PodBlocks(MODEL, "pod2", {"gpu": 1}),
+        PodBlocks(MODEL, "pod3", {"gpu": 3}),
+        PodBlocks(MODEL, "pod4", {"gpu": 10}),
+    ]
+
+
+def test_a_65536_block_store_is_sent_in_round_trips_of_one_slice(
+    index: RedisIndex, round_trips: list[bytes]
+) -> None:
+    blocks = [StoredBlock(key=k, engine_hash=k, digest=k.to_bytes(8, "big")) for k in range(1, 65537)]
+    warm_up(index, round_trips)
+
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+
+    assert len(round_trips) == 65536 // index.slice_blocks == 32
+    assert all(sent.count(b"EVALSHA") == 1 for sent in round_trips)
+    assert index.pod_blocks() == [PodBlocks(MODEL, "pod1", {"gpu": 65536})]
+
+
+def test_a_progress_after_a_store_in_slices_rides_on_its_last_slice(
+    sliced: RedisIndex, server: redis.Redis, round_trips: list[bytes]
+) -> None:
+    blocks = chain(10)
+    seq_hash = f"kv:{{{encode_name(MODEL).decode()}}}:seq".encode()
+    warm_up(sliced, round_trips)
+
+    assert sliced.apply_updates([Store(MODEL, "pod1", "gpu", blocks), Progress(MODEL, "pod1", 5)]) == [10, 0]
+
+    assert [sent.count(b"EVALSHA") for sent in round_trips] == [1, 1, 1]  # 4, 3, 3 blocks
+    assert [seq_hash in sent for sent in round_trips] == [False, False, True]
+    assert b"\r\nHSET\r\n" not in b"".join(round_trips)  # no write of its own
+    assert sliced.progress() == {(MODEL, "pod1"): 5}
+    assert sliced.lookup(model=MODEL, keys=keys(blocks)) == [{"pod1": GPU}] * 10
+    assert_consistent(server)
+
+
+def test_a_progress_after_a_clear_is_written_by_the_call_that_empties_the_pod(
+    sliced: RedisIndex, server: redis.Redis
+) -> None:
+    blocks = chain(10)
+    sliced.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    server.config_resetstat()
+
+    assert sliced.apply_updates([ClearPod(MODEL, "pod1"), Progress(MODEL, "pod1", 9)]) == [10, 0]
+
+    stats = server.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 3  # 4 + 4 + 2 entries
+    assert stats["cmdstat_hset"]["calls"] == 1  # the progress, once
+    assert sliced.progress() == {(MODEL, "pod1"): 9}
+    assert sliced.pod_blocks() == []
+
+
+def test_every_invariant_holds_between_the_calls_of_a_clear(sliced: RedisIndex, server: redis.Redis) -> None:
+    blocks = chain(10, engine_hash_offset=500)
+    sliced.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    sliced.store(model=MODEL, pod="pod1", tier="cpu", blocks=blocks[3:9])
+    sliced.store(model=MODEL, pod="pod2", tier="gpu", blocks=blocks[:5])
+    removed, more, calls = 0, True, 0
+
+    while more:
+        count, more = sliced._run(*sliced._clear_pod_call(MODEL, "pod1", 3, _NO_PROGRESS))
+        removed, calls = removed + count, calls + 1
+        assert_consistent(server)
+
+    assert (removed, calls) == (16, 6)
+    assert sliced.pod_blocks() == [PodBlocks(MODEL, "pod2", {"gpu": 5})]
+    assert sliced.resolve(model=MODEL, pod="pod1", engine_hashes=hashes(blocks)) == [None] * 10
+
+
+def test_a_flushall_loses_the_epoch_markers_and_progress(index: RedisIndex, server: redis.Redis) -> None:
+    index.set_epoch(model=MODEL, value="token")
+    index.apply_updates([Progress(MODEL, "pod1", 3)])
+    server.flushall()
+
+    assert index.epochs([MODEL]) == [None]
+    assert index.progress() == {}
+    assert index.set_epoch(model=MODEL, value="new", if_absent=True) is True
 
 
 def _inner_commands(server: redis.Redis) -> int:
