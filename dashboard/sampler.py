@@ -131,10 +131,17 @@ class FleetSampler:
                     self.observe(snapshot, via_group=False)
             registry = selectors.registry_pods()
             blocks = selectors.index_blocks()
+            resyncing = selectors.index_resyncing() if blocks is not None else []
             score_counters = selectors.scoring_counters(self.metrics)
             now = time.time()
             with self._lock:
-                frame = self._build(now=now, registry=registry, blocks=blocks, score_counters=score_counters)
+                frame = self._build(
+                    now=now,
+                    registry=registry,
+                    blocks=blocks,
+                    score_counters=score_counters,
+                    resyncing=resyncing,
+                )
             self._frame, self._frame_built_at = frame, time.monotonic()
             return frame
 
@@ -145,6 +152,7 @@ class FleetSampler:
         registry: list[RegistryPod],
         blocks: list[PodBlocks] | None,
         score_counters: ScoreCounters | None,
+        resyncing: list[str] = (),
     ) -> dict:
         for instance, seen in list(self._instances.items()):
             if now - seen.at > STALE_AFTER_SECONDS:
@@ -180,6 +188,7 @@ class FleetSampler:
             scoring=score_counters,
             score=score,
             index_available=blocks is not None,
+            index_resyncing=resyncing,
         )
         self._history.append(
             {

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from dashboard.fleet import RegistryPod, ScoreCounters
 from scoring.index.base import IndexUnavailable, PodBlocks
 from scoring.models import Pod
-from scoring.runtime import get_index
+from scoring.runtime import get_index, resyncing_models
 from scoring.streams import read_snapshots
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,9 @@ def registry_pods() -> list[RegistryPod]:
             model=p.model,
             enabled=p.enabled,
             last_seen=p.last_seen.timestamp() if p.last_seen else None,
+            health=p.health,
         )
-        for p in Pod.objects.only("pod_id", "model", "enabled", "last_seen")
+        for p in Pod.objects.only("pod_id", "model", "enabled", "last_seen", "health")
     ]
 
 
@@ -44,6 +45,15 @@ def index_blocks() -> list[PodBlocks] | None:
         return get_index().pod_blocks()
     except IndexUnavailable:
         return None
+
+
+def index_resyncing() -> list[str]:
+    """The models whose index data ingest is rebuilding after the index lost it (none when the
+    index cannot be reached: that is said apart)."""
+    try:
+        return resyncing_models()
+    except IndexUnavailable:
+        return []
 
 
 def scoring_counters(registry: CollectorRegistry = REGISTRY) -> ScoreCounters | None:

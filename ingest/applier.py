@@ -24,7 +24,7 @@ from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatc
 from ingest.stats import IngestStats, StreamStats
 from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
 from scoring.index import KVIndex, StoredBlock
-from scoring.index.base import ClearPod, IndexUpdate, Remove, Store
+from scoring.index.base import ClearPod, IndexUpdate, Progress, Remove, Store
 from scoring.keys import DIGEST_SIZE, Digest, block_digest, chain_digests, extra_keys, key_of, root_digest
 
 PARENT_CACHE_SIZE = 8192
@@ -67,16 +67,44 @@ class EventApplier:
         self.flush()
 
     def stage(
-        self, *, pod: str, model: str, seq: int, batch: EventBatch, received_at: float | None = None
+        self,
+        *,
+        pod: str,
+        model: str,
+        seq: int,
+        batch: EventBatch,
+        received_at: float | None = None,
+        replayed: bool = False,
     ) -> None:
-        """Count ``batch`` and turn its events into pending index updates."""
+        """Count ``batch`` and turn its events into pending index updates, followed by the
+        engine's progress (``seq``), which the index writes atomically with the last of them.
+        A ``replayed`` batch (missed live, asked from the engine) counts as such and stays out
+        of the lag and latency figures, which describe the live stream."""
         now = received_at if received_at is not None else time.time()
         rank = batch.data_parallel_rank or 0
         stream = self.stats.stream(pod, rank, model)
         stream.batches += 1
         stream.last_event_at = now
-        stream.lag_seconds = max(0.0, now - batch.ts) if batch.ts else 0.0
-        stream.observe_seq(seq)
+        if replayed:
+            stream.replayed_batches += 1
+        else:
+            stream.lag_seconds = max(0.0, now - batch.ts) if batch.ts else 0.0
+        holder = holder_id(pod, rank)
+        self._stage_events(pod=pod, model=model, holder=holder, batch=batch, stream=stream)
+        self._updates.append(Progress(model, holder, seq))
+        self._counts.append((None, ""))
+        if batch.ts and batch.events and not replayed:
+            self._batch_times.append(batch.ts)
+
+    def stage_clear(self, *, model: str, holder: str, stream: StreamStats) -> None:
+        """Clear what the index holds of engine ``holder`` (its state was lost, or it restarted),
+        ordered after anything of it already staged."""
+        self._pods.pop((holder, model), None)
+        self._pend(ClearPod(model, holder), stream, "")
+
+    def _stage_events(
+        self, *, pod: str, model: str, holder: str, batch: EventBatch, stream: StreamStats
+    ) -> None:
         for error in batch.errors:
             stream.decode_errors[error.reason] += 1
         config = self.config()
@@ -88,7 +116,6 @@ class EventApplier:
             stream.ignored_batches += 1
             self._clear_disabled(pod)
             return
-        holder = holder_id(pod, rank)
         state = self._pods.get((holder, model))
         if state is None:
             state = self._pods[(holder, model)] = _PodState(parents=OrderedDict())
@@ -106,8 +133,6 @@ class EventApplier:
                 state.parents.clear()
                 self._pend(ClearPod(model, holder), stream, "")
                 stream.clears += 1
-        if batch.ts and batch.events:
-            self._batch_times.append(batch.ts)
 
     def flush(self) -> None:
         """Apply every pending update in one round trip. On ``IndexUnavailable`` nothing pending
@@ -175,6 +200,7 @@ class EventApplier:
         if not blocks:
             return
         self._pend(Store(model, holder, event.tier, blocks), stream, "blocks_stored")
+        stream.resyncing = False  # it stores again: what it holds from now on is known
         parents = state.parents
         for b in blocks:
             parents[b.engine_hash] = b.digest

@@ -71,6 +71,7 @@ REASONS: Final[Mapping[str, str]] = MappingProxyType(
         "too_large": "a payload over the message size limit (the whole batch is skipped)",
         "too_many_events": "a batch with more events than the limit (the whole batch is skipped)",
         "too_many_blocks": "an event with more block hashes or token ids than the limit (skipped)",
+        "too_many_pods": "a message of a new pod when ingest already receives the most pods it may",
     }
 )
 """Every ``DecodeError.reason``, with what it means. The keys are metric label values."""
@@ -86,6 +87,7 @@ class DecodeLimits:
     max_events: int = 4096
     max_blocks: int = 65536
     max_name_chars: int = 256  # pod and model names (topic parts)
+    max_pods: int = 4096  # distinct pods one ingest process receives from (each costs state)
 
 
 DEFAULT_LIMITS: Final = DecodeLimits()

@@ -12,6 +12,7 @@ among them later would outlive its use, and the index's structures form none.
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
@@ -20,9 +21,22 @@ import zmq
 from ingest.applier import EventApplier
 from ingest.events import DEFAULT_LIMITS, DecodeLimits
 from ingest.pool import DecodingHandler, Receiver, ShardPool
+from ingest.replay import ReplayClient
+from ingest.resync import CatchUp
 from ingest.stats import IngestStats
-from scoring.config import ServiceConfig
-from scoring.index import KVIndex
+from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
+from scoring.epochs import READY, RESYNCING, marker, new_token, parse_marker
+from scoring.index import IndexUnavailable, KVIndex
+
+log = logging.getLogger(__name__)
+
+EPOCH_CHECK_SECONDS = 0.5
+"""How often ingest looks at the index's epoch markers (a lost index is noticed within this)."""
+
+SUBSCRIBED_SECONDS = 2.0
+"""When the start-up catch-up runs again. An engine's PUB drops what it sends until ingest's
+subscription has reached it (ZeroMQ reconnects every 100 ms), so a batch sent right after the
+first catch-up can be lost; if the engine then goes idle, no later batch would reveal the gap."""
 
 
 class IngestPipeline:
@@ -40,16 +54,30 @@ class IngestPipeline:
         context: zmq.Context | None = None,
         gc_freeze_seconds: float | None = 1.0,
         limits: DecodeLimits = DEFAULT_LIMITS,
+        replay: ReplayClient | None = None,
+        epoch_check_seconds: float | None = EPOCH_CHECK_SECONDS,
     ) -> None:
         self.stats = stats or IngestStats()
+        self.index = index
+        self.config = config
+        self.replay = replay
         self._gc_freeze_seconds = gc_freeze_seconds
+        self._epoch_check_seconds = epoch_check_seconds
         self._stopped = threading.Event()
         self.appliers: list[EventApplier] = []
+        self.handlers: list[DecodingHandler] = []
+        # What the index says was applied of each engine: where catch-ups and gap checks start.
+        self.progress = index.progress()
+        self._epochs: dict[str, str] = {}  # model -> the token of the data this process indexed
+        self._pending: dict[str, int] = {}  # model -> catch-ups before its marker says ready
+        self._epoch_lock = threading.Lock()
 
         def handler_factory(_worker: int):
             applier = EventApplier(index, config=config, stats=self.stats)
             self.appliers.append(applier)
-            return DecodingHandler(applier, self.stats, limits)
+            handler = DecodingHandler(applier, self.stats, limits, replay=replay, progress=self.progress)
+            self.handlers.append(handler)
+            return handler
 
         self.pool = ShardPool(
             workers=workers, handler_factory=handler_factory, queue_size=queue_size, stats=self.stats
@@ -71,10 +99,129 @@ class IngestPipeline:
         return self.receiver.bound
 
     def start(self) -> None:
+        """Start receiving; first queue a catch-up of every engine that can replay (what it
+        sent while ingest was down), and mark the models whose index data is missing."""
         self.pool.start()
+        self._start_epochs()
         self._thread.start()
         if self._gc_freeze_seconds:
             threading.Thread(target=self._freeze_survivors, name="ingest-gc", daemon=True).start()
+        if self._epoch_check_seconds:
+            threading.Thread(target=self._watch_epochs, name="ingest-epochs", daemon=True).start()
+        threading.Thread(target=self._catch_up_once_subscribed, name="ingest-catch-up", daemon=True).start()
+
+    def engines(self, model: str | None = None) -> list[tuple[str, str, int]]:
+        """``(pod, model, rank)`` of every engine this process knows: registered pods (rank 0),
+        engines with recorded progress and engines it received from; disabled pods left out."""
+        config = self.config()
+        found = {(pod, m, 0) for pod, m in config.pods.items()}
+        for m, holder in self.progress:
+            pod, _, rank = holder.partition(DP_RANK_SEPARATOR)
+            found.add((pod, m, int(rank) if rank.isdigit() else 0))
+        found.update((s.pod, s.model, s.rank) for s in self.stats.streams())
+        return sorted(
+            e for e in found if (model is None or e[1] == model) and e[0] not in config.disabled_pods
+        )
+
+    def check_epochs(self) -> list[str]:
+        """Compare the index's epoch markers with what this process indexed; a model whose
+        marker vanished (or was replaced) lost its data: mark it resyncing and replay every
+        engine of it from seq 0. Returns the models found lost."""
+        with self._epoch_lock:
+            models = sorted({m for _, m, _ in self.engines()} | set(self._epochs))
+        values = self.index.epochs(models)
+        lost = []
+        for model, value in zip(models, values, strict=True):
+            parsed = parse_marker(value)
+            with self._epoch_lock:
+                mine = self._epochs.get(model)
+                if mine is None:  # a model new to this process
+                    if parsed is None:
+                        self._claim(model, READY)
+                    else:
+                        self._epochs[model] = parsed[0]
+                    continue
+                if parsed is not None and parsed[0] == mine:
+                    if parsed[1] == RESYNCING and not self._pending.get(model):
+                        self.index.set_epoch(model=model, value=marker(mine, READY))  # a retry
+                    continue
+                self.stats.index_losses += 1
+                lost.append(model)
+                self._claim(model, RESYNCING)
+            log.warning("the index lost the data of %s: replaying every engine of it", model)
+            self._catch_up(model, lost=True)
+        return lost
+
+    def resyncing(self) -> list[str]:
+        """Models this process is rebuilding (their catch-ups still run)."""
+        with self._epoch_lock:
+            return sorted(m for m, n in self._pending.items() if n)
+
+    def _start_epochs(self) -> None:
+        """On start: models without a marker have no data here (new, or lost while ingest was
+        down) and are marked resyncing until their catch-ups ran; every engine is caught up."""
+        with self._epoch_lock:
+            models = sorted({m for _, m, _ in self.engines()})
+        for model, value in zip(models, self.index.epochs(models), strict=True):
+            parsed = parse_marker(value)
+            with self._epoch_lock:
+                if parsed is None:
+                    self._claim(model, RESYNCING)
+                else:
+                    self._epochs[model] = parsed[0]
+            self._catch_up(model, lost=False)
+
+    def _claim(self, model: str, state: str) -> None:
+        """Write a new marker for ``model`` unless another process wrote one first (then that
+        one is adopted). Caller holds ``_epoch_lock``."""
+        token = new_token()
+        if self.index.set_epoch(model=model, value=marker(token, state), if_absent=True):
+            self._epochs[model] = token
+            return
+        parsed = parse_marker(self.index.epochs([model])[0])
+        self._epochs[model] = parsed[0] if parsed else token
+
+    def _catch_up(self, model: str, *, lost: bool) -> None:
+        """Queue a catch-up of every engine of ``model``; once all ran, a marker of this
+        process that says resyncing says ready."""
+        engines = self.engines(model)
+        if not lost:
+            config = self.config()
+            engines = [e for e in engines if e[0] not in config.down_pods]
+        with self._epoch_lock:
+            self._pending[model] = self._pending.get(model, 0) + len(engines) + 1
+        for pod, _, rank in engines:
+            self.pool.submit(CatchUp(pod, model, rank, lost=lost, done=lambda m=model: self._caught_up(m)))
+        self._caught_up(model)  # the +1: marks ready at once when there was nothing to catch up
+
+    def _caught_up(self, model: str) -> None:
+        with self._epoch_lock:
+            self._pending[model] -= 1
+            if self._pending[model]:
+                return
+            token = self._epochs.get(model)
+        try:
+            parsed = parse_marker(self.index.epochs([model])[0])
+            if parsed == (token, RESYNCING):
+                self.index.set_epoch(model=model, value=marker(token, READY))
+                log.info("the index data of %s is rebuilt", model)
+        except IndexUnavailable as e:
+            log.warning("could not mark %s ready: %s (the next check retries)", model, e)
+
+    def _catch_up_once_subscribed(self) -> None:
+        if self._stopped.wait(SUBSCRIBED_SECONDS):
+            return
+        for model in sorted({m for _, m, _ in self.engines()}):
+            self._catch_up(model, lost=False)
+
+    def _watch_epochs(self) -> None:
+        while not self._stopped.wait(self._epoch_check_seconds):
+            try:
+                self.check_epochs()
+            except IndexUnavailable as e:
+                log.warning("could not check the index's epoch markers: %s", e)
+            except Exception:
+                log.exception("checking the index's epoch markers failed")
 
     def stop(self, *, drain_timeout: float = 30.0) -> None:
         """Stop receiving, let every worker finish its queue, then return."""
@@ -90,6 +237,8 @@ class IngestPipeline:
 
     def forget_pod(self, pod: str) -> None:
         """Drop per-pod state everywhere (the pod was disabled or deleted)."""
-        for applier in self.appliers:
-            applier.forget(pod)
+        for handler in self.handlers:
+            handler.applier.forget(pod)
+            handler.keeper.forget(pod)
+        self.receiver.forget_pod(pod)
         self.stats.forget_pod(pod)

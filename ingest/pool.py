@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +21,9 @@ import zmq
 
 from ingest.applier import EventApplier
 from ingest.events import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode_batch, parse_seq, parse_topic
+from ingest.ratelimit import RateLimitedLog
+from ingest.replay import ReplayClient
+from ingest.resync import CatchUp, StreamKeeper
 from ingest.stats import IngestStats
 from scoring.index.base import IndexUnavailable
 
@@ -52,7 +55,7 @@ class Received:
 class Handler(Protocol):
     """What a worker drives: ``stage`` each message it finds queued, then ``flush`` them all."""
 
-    def stage(self, item: Received) -> None: ...
+    def stage(self, item: Received | CatchUp) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -94,11 +97,11 @@ class ShardPool:
             found = self._shard_of[pod] = fnv1a_32(pod.encode()) % len(self.queues)
         return found
 
-    def submit(self, item: Received) -> None:
-        """Queue one message for its pod's worker (see ``submit_parcel``)."""
+    def submit(self, item: Received | CatchUp) -> None:
+        """Queue one message (or catch-up) for its pod's worker (see ``submit_parcel``)."""
         self.submit_parcel(self.shard(item.pod), [item])
 
-    def submit_parcel(self, worker: int, items: list[Received]) -> None:
+    def submit_parcel(self, worker: int, items: list[Received | CatchUp]) -> None:
         """Queue ``items`` (all of pods that shard to ``worker``, at most
         ``MAX_MESSAGES_PER_FLUSH``) as one parcel: one queue operation for many messages, which
         halves the cost of handing work between threads. Waits (and says so) when that worker
@@ -181,35 +184,6 @@ class ShardPool:
                 return
 
 
-class RateLimitedLog:
-    """Warnings about bad input, at most one per ``reason`` every ``interval`` seconds: a flood
-    of malformed messages must not become a flood of log lines (they are all counted in the
-    stats anyway). The next line of a reason says how many were left out since the last."""
-
-    def __init__(self, logger: logging.Logger, *, interval: float = 10.0) -> None:
-        self.logger = logger
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, reason: str, message: str, *args: object) -> bool:
-        """Log ``message % args`` unless ``reason`` was logged less than ``interval`` ago;
-        returns whether it was logged."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(reason)
-            if last is not None and now - last < self.interval:
-                self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
-                return False
-            self._last[reason] = now
-            suppressed = self._suppressed.pop(reason, 0)
-        if suppressed:
-            message += f" (and {suppressed} more {reason} in the last {self.interval:g}s, not logged)"
-        self.logger.warning(message, *args)
-        return True
-
-
 MALFORMED_LOG = RateLimitedLog(log)
 """Where the receiver and the workers report bad input (reasons are few: the dict stays small)."""
 
@@ -250,9 +224,14 @@ class Receiver:
                 sock.connect(endpoint)
             self.sockets.append(sock)
         self._stop = threading.Event()
+        self._pods: set[str] = set()  # pods received from (bounded by limits.max_pods)
 
     def stop(self) -> None:
         self._stop.set()
+
+    def forget_pod(self, pod: str) -> None:
+        """``pod`` is gone (deleted from the registry): it no longer counts against max_pods."""
+        self._pods.discard(pod)
 
     def run(self) -> None:
         """Receive until ``stop()``; never raises on bad input (it is counted)."""
@@ -291,6 +270,10 @@ class Receiver:
                 raise DecodeError("frames", f"expected 3 frames (topic, seq, payload), got {len(frames)}")
             pod, model = parse_topic(frames[0], self.topic, max_name_chars=self.limits.max_name_chars)
             seq = parse_seq(frames[1])
+            if pod not in self._pods:
+                if len(self._pods) >= self.limits.max_pods:
+                    raise DecodeError("too_many_pods", f"{pod[:80]!r}: already {len(self._pods)} pods")
+                self._pods.add(pod)
         except DecodeError as e:
             self.stats.unattributed_errors[e.reason] += 1
             MALFORMED_LOG.warning(e.reason, "skipped a malformed message: %s", e)
@@ -300,28 +283,44 @@ class Receiver:
 
 class DecodingHandler:
     """A worker's handler: decode each payload (a bad one is counted against its pod) and stage
-    it on the worker's applier; flush applies everything staged in one round trip."""
+    it through the worker's stream keeper (which keeps each engine's seqs whole, replaying what
+    was missed); flush applies everything staged in one round trip. Catch-ups go to the keeper
+    too; their ``done`` callbacks run once what they staged is written."""
 
     def __init__(
-        self, applier: EventApplier, stats: IngestStats, limits: DecodeLimits = DEFAULT_LIMITS
+        self,
+        applier: EventApplier,
+        stats: IngestStats,
+        limits: DecodeLimits = DEFAULT_LIMITS,
+        *,
+        replay: ReplayClient | None = None,
+        progress: Mapping[tuple[str, str], int] | None = None,
     ) -> None:
         self.applier = applier
         self.stats = stats
         self.limits = limits
+        self.keeper = StreamKeeper(applier, stats, limits=limits, replay=replay, progress=progress)
+        self._after_flush: list[Callable[[], None]] = []
 
-    def stage(self, item: Received) -> None:
-        try:
-            batch = decode_batch(item.payload, self.limits)
-        except DecodeError as e:
-            stream = self.stats.stream(item.pod, 0, item.model)
-            stream.batches += 1
-            stream.decode_errors[e.reason] += 1
-            stream.observe_seq(item.seq)
-            MALFORMED_LOG.warning(e.reason, "skipped an undecodable batch from %.80s: %s", item.pod, e)
-            return
+    def stage(self, item: Received | CatchUp) -> None:
         mark = self.applier.pending
         try:
-            self.applier.stage(
+            if isinstance(item, CatchUp):
+                self.keeper.catch_up(item)
+                if item.done is not None:
+                    self._after_flush.append(item.done)
+                return
+            try:
+                batch = decode_batch(item.payload, self.limits)
+            except DecodeError as e:
+                stream = self.stats.stream(item.pod, 0, item.model)
+                stream.batches += 1
+                stream.decode_errors[e.reason] += 1
+                stream.last_seq = item.seq
+                self.keeper.skipped(pod=item.pod, model=item.model, seq=item.seq)
+                MALFORMED_LOG.warning(e.reason, "skipped an undecodable batch from %.80s: %s", item.pod, e)
+                return
+            self.keeper.accept(
                 pod=item.pod, model=item.model, seq=item.seq, batch=batch, received_at=item.received_at
             )
         except BaseException:
@@ -330,3 +329,6 @@ class DecodingHandler:
 
     def flush(self) -> None:
         self.applier.flush()
+        done, self._after_flush = self._after_flush, []
+        for callback in done:
+            callback()

@@ -42,7 +42,12 @@ class StreamStats:
     seq_gaps: int = 0
     missed_batches: int = 0
     restarts: int = 0
+    replayed_batches: int = 0
+    duplicates: int = 0
+    lost_state_clears: int = 0
+    resyncing: bool = False  # its state was lost and cleared; False again once it stores
     decode_errors: Counter = field(default_factory=Counter)
+    replay_failures: Counter = field(default_factory=Counter)  # by reason
     last_seq: int | None = None
     first_event_at: float = 0.0
     last_event_at: float = 0.0
@@ -54,21 +59,10 @@ class StreamStats:
         n = self.aligned_blocks + self.misaligned_blocks
         return self.aligned_blocks / n if n else None
 
-    def observe_seq(self, seq: int) -> None:
-        """Count gaps (seq jumped ahead: batches lost) and restarts (seq went back). The same
-        seq again is a re-delivery (e.g. a retry after an index outage), neither."""
-        last = self.last_seq
-        if last is not None:
-            if seq > last + 1:
-                self.seq_gaps += 1
-                self.missed_batches += seq - last - 1
-            elif seq < last:
-                self.restarts += 1
-        self.last_seq = seq
-
     def as_dict(self) -> dict:
         out = asdict(self)
         out["decode_errors"] = dict(self.decode_errors)
+        out["replay_failures"] = dict(self.replay_failures)
         out["hash_alignment"] = self.hash_alignment
         return out
 
@@ -87,6 +81,7 @@ class IngestStats:
         self._lock = threading.Lock()
         self.unattributed_errors: Counter = Counter()
         self.queue_full: Counter = Counter()
+        self.index_losses = 0  # times a model's index data was found lost (epoch marker gone)
         self.started_at = time.time()
         self.recent_visible_latencies: deque[float] = deque(maxlen=latency_samples)
         self.visible_buckets = [0] * (len(VISIBLE_BUCKETS) + 1)
@@ -131,6 +126,7 @@ class IngestStats:
             "streams": [s.as_dict() for s in self.streams()],
             "unattributed_errors": dict(self.unattributed_errors),
             "queue_full": {str(k): v for k, v in self.queue_full.items()},
+            "index_losses": self.index_losses,
         }
 
 
@@ -151,6 +147,12 @@ class IngestStatsCollector(Collector):
         for worker, n in snap["queue_full"].items():
             full.add_metric([worker], n)
         yield full
+        losses = CounterMetricFamily(
+            "kvcache_ingest_index_losses",
+            "Times a model's index data was found lost (its epoch marker vanished) and rebuilt.",
+        )
+        losses.add_metric([], snap["index_losses"])
+        yield losses
         visible = HistogramMetricFamily(
             "kvcache_ingest_event_to_index_seconds", "From the batch timestamp to applied in the index."
         )

@@ -18,6 +18,9 @@
 | KVCACHE_INGEST_MAX_MESSAGE_BYTES | 8388608 | a larger KV-event payload is counted (too_large) and skipped |
 | KVCACHE_INGEST_MAX_EVENTS | 4096 | a batch with more events is counted (too_many_events) and skipped |
 | KVCACHE_INGEST_MAX_BLOCKS | 65536 | an event with more blocks is counted (too_many_blocks) and skipped |
+| KVCACHE_INGEST_MAX_PODS | 4096 | batches of pods beyond this many are counted (too_many_pods) and skipped |
+| KVCACHE_REPLAY_TIMEOUT_SECONDS | 2.0 | how long ingest waits for an engine's replay of missed batches |
+| KVCACHE_REPLAY_PORT_OFFSET | "" (none) | replay endpoint = tcp://host:(port + offset) of the pod's address |
 | KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
 | KVCACHE_REQUEST_TEMPLATES | true | accept ``chat_template`` in scoring requests (rendered in a sandbox) |
@@ -27,7 +30,10 @@
 | KVCACHE_STATS_GROUP | kvcache-ingest-stats | channel-layer group ingest sends its stats to each second |
 | DASHBOARD_PUSH_SECONDS | 1.0 | how often an open dashboard gets fresh numbers over its websocket |
 | DASHBOARD_HISTORY_SECONDS | 600 | how far back dashboard charts go (kept in each web process's memory) |
-| DASHBOARD_STALE_SECONDS | 60 | a pod with no event for this long is shown as stale |
+| DASHBOARD_STALE_SECONDS | 60 | a pod with no event for this long is no longer active: idle or stale |
+| KVCACHE_POD_DOWN_SECONDS | 10 | a pod whose /health fails this long is down: out of scores (0: no probing) |
+| KVCACHE_POD_FORGET_SECONDS | 300 | a pod down this long more has its blocks cleared (0: never) |
+| KVCACHE_POD_EXPIRE_DAYS | 7 | ingest deletes pods it has not heard from for this long (0: never) |
 """
 
 from __future__ import annotations
@@ -169,6 +175,15 @@ DASHBOARD_PUSH_SECONDS = float(os.environ.get("DASHBOARD_PUSH_SECONDS", "1.0"))
 DASHBOARD_HISTORY_SECONDS = float(os.environ.get("DASHBOARD_HISTORY_SECONDS", "600"))
 DASHBOARD_STALE_SECONDS = float(os.environ.get("DASHBOARD_STALE_SECONDS", "60"))
 
+# --- pod liveness and registry expiry (scoring/liveness.py, run by the ingest command) ------------
+# Ingest probes GET http://<address>/health of every enabled pod with an address each second (1 s
+# timeout). Failing for KVCACHE_POD_DOWN_SECONDS makes a pod down (it leaves scores; one answer
+# brings it back); down for KVCACHE_POD_FORGET_SECONDS more clears its blocks from the index.
+KVCACHE_POD_DOWN_SECONDS = float(os.environ.get("KVCACHE_POD_DOWN_SECONDS", "10"))
+KVCACHE_POD_FORGET_SECONDS = float(os.environ.get("KVCACHE_POD_FORGET_SECONDS", "300"))
+# Pods ingest has seen but not heard from for this many days are deleted (not disabled ones).
+KVCACHE_POD_EXPIRE_DAYS = float(os.environ.get("KVCACHE_POD_EXPIRE_DAYS", "7"))
+
 # --- the scoring API --------------------------------------------------------------------------
 KVCACHE_API_KEYS = env_list("KVCACHE_API_KEYS")
 KVCACHE_MAX_BODY_BYTES = int(os.environ.get("KVCACHE_MAX_BODY_BYTES", str(4 * 1024 * 1024)))
@@ -195,6 +210,14 @@ KVCACHE_INGEST_MAX_MESSAGE_BYTES = int(
 )
 KVCACHE_INGEST_MAX_EVENTS = int(os.environ.get("KVCACHE_INGEST_MAX_EVENTS", "4096"))
 KVCACHE_INGEST_MAX_BLOCKS = int(os.environ.get("KVCACHE_INGEST_MAX_BLOCKS", "65536"))
+KVCACHE_INGEST_MAX_PODS = int(os.environ.get("KVCACHE_INGEST_MAX_PODS", "4096"))
+
+# --- replay of missed KV-event batches (ingest/replay.py, ingest/resync.py) ---------------------
+KVCACHE_REPLAY_TIMEOUT_SECONDS = float(os.environ.get("KVCACHE_REPLAY_TIMEOUT_SECONDS", "2.0"))
+# A pod without a registry replay_endpoint replays at tcp://host:(port + this) of its address.
+KVCACHE_REPLAY_PORT_OFFSET = (
+    int(os.environ["KVCACHE_REPLAY_PORT_OFFSET"]) if os.environ.get("KVCACHE_REPLAY_PORT_OFFSET") else None
+)
 
 # --- bounded work per scoring request (the fast path: scoring/fastpath/app.py) ---------------------
 KVCACHE_LARGE_PROMPT_CHARS = int(os.environ.get("KVCACHE_LARGE_PROMPT_CHARS", str(256 * 1024)))
@@ -248,4 +271,6 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    # httpx logs every request at INFO: the liveness prober alone sends one per pod a second.
+    "loggers": {"httpx": {"level": "WARNING"}},
 }

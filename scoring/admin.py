@@ -13,7 +13,16 @@ from scoring.models import HashSeed, ModelConfig, Pod
 
 @admin.register(Pod)
 class PodAdmin(admin.ModelAdmin):
-    list_display = ("pod_id", "model", "enabled", "health", "address", "live_blocks", "last_seen", "first_seen")
+    list_display = (
+        "pod_id",
+        "model",
+        "enabled",
+        "health",
+        "address",
+        "live_blocks",
+        "last_seen",
+        "first_seen",
+    )
     list_filter = ("enabled", "health", "model")
     search_fields = ("pod_id", "model", "address")
     readonly_fields = ("health", "health_changed_at", "first_seen", "last_seen", "live_blocks")

@@ -38,6 +38,19 @@ def owner_pod(holder: str) -> str:
     return holder.partition(DP_RANK_SEPARATOR)[0]
 
 
+def address_in_pod_id(pod_id: str) -> str:
+    """The address a ``host:port`` pod id names (llm-d's convention; IPv6 as ``[::1]:8000``),
+    else ""."""
+    host, colon, port = pod_id.rpartition(":")
+    if not (colon and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        return ""
+    if len(pod_id) > 255 or not host.isascii():
+        return ""
+    if host.startswith("["):
+        return pod_id if host.endswith("]") and len(host) > 2 else ""
+    return pod_id if all(c.isalnum() or c in ".-" for c in host) else ""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
     """How blocks of one model are keyed and scored."""
@@ -59,8 +72,8 @@ class ModelSettings:
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
-    """A consistent snapshot of the registry: the hash seed, per-model settings, disabled pods,
-    the pods' addresses (``pod -> host:port``, only pods that have one) and the models pods serve."""
+    """A consistent snapshot of the registry: the hash seed, per-model settings, disabled and down
+    pods, the pods' addresses (``pod -> host:port``, only pods that have one) and the models pods serve."""
 
     seed: str = ""
     default_block_size: int = 16
@@ -68,10 +81,17 @@ class ServiceConfig:
     disabled_pods: frozenset[str] = frozenset()
     pod_addresses: Mapping[str, str] = field(default_factory=dict)
     pod_models: frozenset[str] = frozenset()  # the models registered pods serve
+    pods: Mapping[str, str] = field(default_factory=dict)
+    """Every registered pod -> the model it serves."""
     replay_endpoints: Mapping[str, str] = field(default_factory=dict)
     """pod -> its registry ``replay_endpoint`` (only pods that have one)."""
     down_pods: frozenset[str] = frozenset()
     """Pods the liveness prober found down: they leave scores like disabled ones."""
+    unscored_pods: frozenset[str] = field(init=False)
+    """Disabled and down pods: neither they nor their data-parallel ranks appear in scores."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unscored_pods", self.disabled_pods | self.down_pods)
 
     def model(self, name: str) -> ModelSettings:
         """Settings of ``name``; a model without a config gets the defaults."""

@@ -9,7 +9,8 @@ can say where the time goes:
 3. **keys**: vLLM's ``sha256_cbor`` block keys (``scoring.keys.block_keys``) from the hash seed,
    the model's block size and the LoRA adapter name;
 4. **lookup**: one index round trip for the longest held run of keys, restricted to the asked
-   pods; disabled pods are taken out;
+   pods; disabled pods and pods the liveness prober found down (``config.unscored_pods``) are
+   taken out, with their data-parallel ranks;
 5. **score**: longest-prefix scores with the model's tier weights (``scoring.scorer``).
 
 Pure core: no Django import. The registry snapshot (``ServiceConfig``), the index and the
@@ -101,9 +102,10 @@ class ScoreResult:
     ``scores`` holds every pod whose cache holds at least the first block, sorted by pod name;
     ``total_blocks`` counts the full blocks of the request (a trailing partial block is never
     cached by vLLM, so never scored); ``looked_up`` says whether the index was asked (not when
-    there is no full block or every asked pod is disabled); ``lookup_hits`` is the length of the
-    held run it returned (before disabled pods were taken out). ``tokenization`` is ``None`` when the caller
-    sent token ids; ``templated`` is the rendered conversation for chat requests.
+    there is no full block or every asked pod is unscored: disabled or down); ``lookup_hits`` is the
+    length of the held run it returned (before unscored pods were taken out). ``tokenization`` is
+    ``None`` when the caller sent token ids; ``templated`` is the rendered conversation for chat
+    requests.
     """
 
     model: str
@@ -120,7 +122,7 @@ class ScoreResult:
 @dataclass(slots=True)
 class KeyedRequest:
     """A request made ready for the index: its block keys (steps 1-3), the pods it asks about
-    (``None``: every pod; disabled pods already taken out) and what its earlier steps produced."""
+    (``None``: every pod; unscored pods already taken out) and what its earlier steps produced."""
 
     model: str
     token_count: int
@@ -132,7 +134,7 @@ class KeyedRequest:
 
     @property
     def needs_lookup(self) -> bool:
-        """False when nothing can match: no full block, or every asked pod is disabled."""
+        """False when nothing can match: no full block, or every asked pod is unscored."""
         return bool(self.keys) and (self.wanted is None or bool(self.wanted))
 
 
@@ -162,17 +164,17 @@ def key_token_ids(
     except ValueError as error:
         raise InvalidInput("token_ids", str(error)) from error
     timings.keys = time.perf_counter() - started
-    disabled = config.disabled_pods
-    wanted = None if pods is None else frozenset(p for p in pods if not _is_disabled(p, disabled))
+    unscored = config.unscored_pods
+    wanted = None if pods is None else frozenset(p for p in pods if not _is_unscored(p, unscored))
     return KeyedRequest(model=model, token_count=len(token_ids), keys=keys, wanted=wanted, timings=timings)
 
 
 def finish(keyed: KeyedRequest, holders: list[HolderMap], *, config: ServiceConfig) -> ScoreResult:
-    """Step 5: the scores of ``holders`` (the index's answer for ``keyed``), disabled pods out."""
+    """Step 5: the scores of ``holders`` (the index's answer for ``keyed``), unscored pods out."""
     started = time.perf_counter()
     hits = len(holders)
-    if config.disabled_pods and holders:
-        holders = _without_disabled(holders, config.disabled_pods)
+    if config.unscored_pods and holders:
+        holders = _without_unscored(holders, config.unscored_pods)
     settings = config.model(keyed.model)
     scores = longest_prefix_scores(holders, total_blocks=len(keyed.keys), tier_weight=settings.tier_weight)
     keyed.timings.score = time.perf_counter() - started
@@ -232,8 +234,8 @@ def score_token_ids(
 ) -> ScoreResult:
     """Scores for a prompt given as token ids (steps 3-5).
 
-    Guarantees: only pods in ``pods`` (all when ``None``) and never a disabled pod (or one of its
-    data-parallel ranks) appear in the result; one index round trip at most (none when the prompt
+    Guarantees: only pods in ``pods`` (all when ``None``) and never a disabled or down pod (or one
+    of its data-parallel ranks) appear in the result; one index round trip at most (none when the prompt
     has no full block). Raises what ``key_token_ids`` raises and ``IndexUnavailable``.
     """
     keyed = key_token_ids(
@@ -373,16 +375,16 @@ def _tokenize(
         raise InvalidInput(field, str(error)) from error
 
 
-def _is_disabled(holder: str, disabled: frozenset[str]) -> bool:
-    return holder in disabled or owner_pod(holder) in disabled
+def _is_unscored(holder: str, unscored: frozenset[str]) -> bool:
+    return holder in unscored or owner_pod(holder) in unscored
 
 
-def _without_disabled(holders: list[HolderMap], disabled: frozenset[str]) -> list[HolderMap]:
-    """``holders`` without disabled pods, cut at the first block no enabled pod holds (so the
+def _without_unscored(holders: list[HolderMap], unscored: frozenset[str]) -> list[HolderMap]:
+    """``holders`` without unscored pods, cut at the first block no scored pod holds (so the
     result is still a held run, as the scorer expects)."""
     out: list[HolderMap] = []
     for block in holders:
-        kept = {pod: tiers for pod, tiers in block.items() if not _is_disabled(pod, disabled)}
+        kept = {pod: tiers for pod, tiers in block.items() if not _is_unscored(pod, unscored)}
         if not kept:
             break
         out.append(kept)

@@ -16,6 +16,7 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from scoring.config import ServiceConfig
+from scoring.epochs import EpochWatch
 from scoring.fastpath.app import FastPathSettings, Handles, ScoringApp
 from scoring.index import KVIndex, open_index
 from scoring.large_prompts import LargePromptTokenizer
@@ -76,9 +77,19 @@ def get_index() -> KVIndex:
 
 def set_index(index: KVIndex | None) -> None:
     """Replace this process's index (tests, and ``ingest`` sharing its in-memory index)."""
-    global _index
+    global _index, _epoch_watch
     with _index_lock:
         _index = index
+        _epoch_watch = EpochWatch()
+
+
+_epoch_watch = EpochWatch()
+
+
+def resyncing_models() -> list[str]:
+    """The registered models whose index data is being rebuilt after a loss (one round trip;
+    ``IndexUnavailable`` when the index does not answer)."""
+    return _epoch_watch.resyncing(get_index(), sorted(service_config().pod_models))
 
 
 _tokenizers: TokenizerRegistry | None = None

@@ -4,6 +4,7 @@ the live state beside it (block counts in the index, the ingest processes' strea
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from django.conf import settings
 
 from scoring.config import DEFAULT_OTHER_TIER_WEIGHT, ModelSettings, ServiceConfig, owner_pod
 from scoring.index import IndexUnavailable, KVIndex
+from scoring.liveness import POD_STATES, pod_state
 from scoring.models import HashSeed, ModelConfig, Pod
 from scoring.streams import read_snapshots
 
@@ -35,10 +37,10 @@ def load_service_config() -> ServiceConfig:
         )
         for m in ModelConfig.objects.all()
     }
-    disabled, down, addresses, replay, pod_models = set(), set(), {}, {}, set()
+    disabled, down, addresses, replay, pods = set(), set(), {}, {}, {}
     rows = Pod.objects.values_list("pod_id", "model", "enabled", "address", "replay_endpoint", "health")
     for pod_id, model, enabled, address, replay_endpoint, health in rows:
-        pod_models.add(model)
+        pods[pod_id] = model
         if not enabled:
             disabled.add(pod_id)
         if health == "down":
@@ -53,7 +55,8 @@ def load_service_config() -> ServiceConfig:
         models=models,
         disabled_pods=frozenset(disabled),
         pod_addresses=addresses,
-        pod_models=frozenset(pod_models),
+        pod_models=frozenset(pods.values()),
+        pods=pods,
         replay_endpoints=replay,
         down_pods=frozenset(down),
     )
@@ -64,13 +67,14 @@ def load_service_config() -> ServiceConfig:
 INGEST_STATS_TIMEOUT_SECONDS = 0.5
 """How long a request waits for the Redis holding the ingest stats before going without them."""
 
-_STREAM_LATEST_FIELDS = ("last_seq", "lag_seconds")
+_STREAM_LATEST_FIELDS = ("last_seq", "lag_seconds", "resyncing")
+_STREAM_REASON_COUNTS = ("decode_errors", "replay_failures")
 _STREAM_NOT_SUMMED = frozenset(
     {
         "pod",
         "rank",
         "model",
-        "decode_errors",
+        *_STREAM_REASON_COUNTS,
         "first_event_at",
         "last_event_at",
         "hash_alignment",
@@ -117,17 +121,21 @@ def merge_streams(snapshots: Iterable[dict]) -> list[dict]:
             key = (stream["pod"], stream["rank"], stream["model"])
             into = merged.get(key)
             if into is None:
-                merged[key] = {**stream, "decode_errors": dict(stream.get("decode_errors", {}))}
+                merged[key] = {
+                    **stream,
+                    **{name: dict(stream.get(name, {})) for name in _STREAM_REASON_COUNTS},
+                }
                 continue
             for name, value in stream.items():
                 if name not in _STREAM_NOT_SUMMED and isinstance(value, int | float):
                     into[name] = into.get(name, 0) + value
-            for reason, n in stream.get("decode_errors", {}).items():
-                into["decode_errors"][reason] = into["decode_errors"].get(reason, 0) + n
+            for name in _STREAM_REASON_COUNTS:
+                for reason, n in stream.get(name, {}).items():
+                    into[name][reason] = into[name].get(reason, 0) + n
             into["first_event_at"] = min(into["first_event_at"], stream["first_event_at"])
             if stream["last_event_at"] >= into["last_event_at"]:
                 into["last_event_at"] = stream["last_event_at"]
-                into.update({name: stream[name] for name in _STREAM_LATEST_FIELDS})
+                into.update({name: stream.get(name) for name in _STREAM_LATEST_FIELDS})
     for stream in merged.values():
         judged = stream.get("aligned_blocks", 0) + stream.get("misaligned_blocks", 0)
         stream["hash_alignment"] = stream.get("aligned_blocks", 0) / judged if judged else None
@@ -154,20 +162,50 @@ def live_blocks_by_pod(index: KVIndex) -> dict[str, dict[str, int]]:
     return out
 
 
+def state_of(pod: Pod, streams: Iterable[dict] = (), *, now: float) -> str:
+    """``pod``'s state in one word (``scoring.liveness.pod_state``): its last event is the later of
+    the registry's ``last_seen`` and its ingest ``streams``' last events; no event within
+    ``DASHBOARD_STALE_SECONDS`` makes it idle or stale."""
+    last = max(
+        [pod.last_seen.timestamp() if pod.last_seen else 0.0, *(s.get("last_event_at", 0.0) for s in streams)]
+    )
+    return pod_state(
+        enabled=pod.enabled,
+        health=pod.health,
+        last_event_age=max(0.0, now - last) if last else None,
+        stale_after=settings.DASHBOARD_STALE_SECONDS,
+    )
+
+
+def pod_state_counts(snapshots: Iterable[dict] | None = None) -> dict[str, int]:
+    """How many registered pods are in each state (every one of ``POD_STATES``, zeros included),
+    their last events read from the registry and ``snapshots`` (ingest snapshots, if any)."""
+    streams_by_pod: dict[str, list[dict]] = {}  # only their last events are read: no merging
+    for snapshot in snapshots or ():
+        for stream in snapshot.get("streams", ()):
+            streams_by_pod.setdefault(stream["pod"], []).append(stream)
+    counts = dict.fromkeys(POD_STATES, 0)
+    now = time.time()
+    for pod in Pod.objects.only("pod_id", "enabled", "health", "last_seen"):
+        counts[state_of(pod, streams_by_pod.get(pod.pod_id, ()), now=now)] += 1
+    return counts
+
+
 @dataclass(frozen=True)
 class PodState:
     """A registered pod with what is live about it. ``blocks_by_tier`` is ``None`` when the index
     is unreachable; ``streams`` is ``None`` when the ingest stats are (else a list, empty when no
-    running ingest process has heard from the pod)."""
+    running ingest process has heard from the pod); ``state`` is ``state_of`` the pod."""
 
     pod: Pod
     blocks_by_tier: dict[str, int] | None
     streams: list[dict] | None
+    state: str
 
 
 def pod_states(index: KVIndex, pods: Iterable[Pod] | None = None) -> list[PodState]:
-    """``pods`` (default: the whole registry, by pod id) with live block counts from ``index`` and
-    stream stats."""
+    """``pods`` (default: the whole registry, by pod id) with live block counts from ``index``,
+    stream stats and their state."""
     rows = list(Pod.objects.all() if pods is None else pods)
     try:
         blocks: dict[str, dict[str, int]] | None = live_blocks_by_pod(index)
@@ -177,11 +215,13 @@ def pod_states(index: KVIndex, pods: Iterable[Pod] | None = None) -> list[PodSta
     streams_by_pod: dict[str, list[dict]] = {}
     for stream in merge_streams(snapshots or ()):
         streams_by_pod.setdefault(stream["pod"], []).append(stream)
+    now = time.time()
     return [
         PodState(
             pod=pod,
             blocks_by_tier=None if blocks is None else blocks.get(pod.pod_id, {}),
             streams=None if snapshots is None else streams_by_pod.get(pod.pod_id, []),
+            state=state_of(pod, streams_by_pod.get(pod.pod_id, ()), now=now),
         )
         for pod in rows
     ]

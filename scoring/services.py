@@ -8,19 +8,10 @@ from datetime import UTC, datetime
 from django.conf import settings
 from django.db import transaction
 
+from scoring.config import address_in_pod_id
+from scoring.liveness import HEALTHS, HealthChange, clear_pod_and_ranks
 from scoring.models import HashSeed, ModelConfig, Pod
 from scoring.runtime import get_index, invalidate_service_config
-
-
-def address_in_pod_id(pod_id: str) -> str:
-    """The address a ``host:port`` pod id names (llm-d's convention; IPv6 as ``[::1]:8000``),
-    else ""."""
-    host, colon, port = pod_id.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(pod_id) > 255:
-        return ""
-    if host.startswith("["):
-        return pod_id if host.endswith("]") and len(host) > 2 else ""
-    return pod_id if all(c.isalnum() or c in ".-" for c in host) else ""
 
 
 def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
@@ -57,16 +48,84 @@ def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
     return created
 
 
+def register_pods(pods: Iterable[tuple[str, str, str, str]]) -> None:
+    """Announce ``(pod, model, address, replay_endpoint)`` (a fleet that knows its pods, e.g. the
+    simulator): new pods are created, known ones get these values; enabled and health stay."""
+    with transaction.atomic():
+        for pod_id, model, address, replay_endpoint in pods:
+            Pod.objects.update_or_create(
+                pod_id=pod_id,
+                defaults={"model": model, "address": address, "replay_endpoint": replay_endpoint},
+            )
+    invalidate_service_config()
+
+
 def save_pod(pod: Pod) -> Pod:
     """Save a pod from the admin or the API. Disabling it removes its blocks from the index now
-    (ingest stops indexing it within a config refresh and clears it again in order)."""
-    was_enabled = Pod.objects.filter(pk=pod.pk, enabled=True).exists() if pod.pk else True
+    (ingest stops indexing it within a config refresh and clears it again in order).
+
+    ``health`` belongs to the liveness prober: a save never writes back the value the form was
+    read with (the prober may have changed it since), except to reset it to unknown when the pod
+    gets a new address or is disabled (the verdict was about an address, or a pod, it no longer
+    probes)."""
+    previous = (
+        Pod.objects.filter(pk=pod.pk).values("enabled", "address", "health", "health_changed_at").first()
+        if pod.pk
+        else None
+    )
     pod.full_clean()
-    pod.save()
-    if was_enabled and not pod.enabled:
+    if previous is None:
+        pod.save()
+    else:
+        fields = [f.name for f in Pod._meta.concrete_fields if not f.primary_key]
+        no_longer_probed_there = pod.address != previous["address"] or not pod.enabled
+        if no_longer_probed_there and previous["health"] != "unknown":
+            pod.health, pod.health_changed_at = "unknown", datetime.now(UTC)
+        else:
+            pod.health, pod.health_changed_at = previous["health"], previous["health_changed_at"]
+            fields = [f for f in fields if f not in ("health", "health_changed_at")]
+        pod.save(update_fields=fields)
+    if (previous is None or previous["enabled"]) and not pod.enabled:
         clear_pod_blocks(pod.pod_id)
     invalidate_service_config()
     return pod
+
+
+def set_pod_health(changes: Iterable[HealthChange]) -> int:
+    """Record the liveness prober's verdicts: each pod's ``health`` and, as
+    ``health_changed_at``, the time of the change. A pod already in that health is left as it is
+    (``health_changed_at`` keeps saying when it really changed); a pod not in the registry is
+    skipped. Returns how many pods changed. Raises ``ValueError`` for a health not in ``HEALTHS``."""
+    changed = 0
+    with transaction.atomic():
+        for change in changes:
+            if change.health not in HEALTHS:
+                raise ValueError(f"health must be one of {', '.join(HEALTHS)}, not {change.health!r}")
+            changed += (
+                Pod.objects.filter(pod_id=change.pod)
+                .exclude(health=change.health)
+                .update(health=change.health, health_changed_at=datetime.fromtimestamp(change.at, UTC))
+            )
+    if changed:
+        invalidate_service_config()
+    return changed
+
+
+def expire_pods(*, last_seen_before: datetime) -> list[str]:
+    """Delete the pods ingest has seen (they have a ``first_seen``) whose last event is older than
+    ``last_seen_before``, and clear their blocks; returns their ids, sorted. Pods made by hand and
+    never seen stay; so do disabled ones (deleting one would register it again, enabled, when it
+    next publishes: the admin's decision outlives its silence). A pod that publishes again after
+    being expired is registered again."""
+    expired_rows = Pod.objects.filter(first_seen__isnull=False, last_seen__lt=last_seen_before, enabled=True)
+    with transaction.atomic():
+        expired = sorted(expired_rows.select_for_update().values_list("pod_id", flat=True))
+        Pod.objects.filter(pod_id__in=expired).delete()
+    for pod_id in expired:
+        clear_pod_blocks(pod_id)
+    if expired:
+        invalidate_service_config()
+    return expired
 
 
 def delete_pod(pod: Pod) -> None:
@@ -79,11 +138,7 @@ def delete_pod(pod: Pod) -> None:
 
 def clear_pod_blocks(pod_id: str) -> int:
     """Remove every block of ``pod_id`` (and of its data-parallel ranks) under every model."""
-    index = get_index()
-    removed = index.clear_pod(pod=pod_id)
-    for other in {b.pod for b in index.pod_blocks() if b.pod.startswith(pod_id + "#dp")}:
-        removed += index.clear_pod(pod=other)
-    return removed
+    return clear_pod_and_ranks(get_index(), pod_id)
 
 
 def save_model_config(config: ModelConfig) -> ModelConfig:

@@ -65,9 +65,16 @@ _STREAM_COUNTERS = (
     ("orphaned_blocks", "kvcache_ingest_orphaned_blocks_total", "Blocks skipped: parent unknown."),
     ("aligned_blocks", "kvcache_ingest_aligned_blocks_total", "Blocks whose engine hash equalled our key."),
     ("misaligned_blocks", "kvcache_ingest_misaligned_blocks_total", "Blocks whose engine hash differed."),
-    ("seq_gaps", "kvcache_ingest_seq_gaps_total", "Times the seq jumped ahead (batches lost)."),
-    ("missed_batches", "kvcache_ingest_missed_batches_total", "Batches lost, by seq arithmetic."),
+    ("seq_gaps", "kvcache_ingest_seq_gaps_total", "Times the seq jumped ahead (batches missed live)."),
+    ("missed_batches", "kvcache_ingest_missed_batches_total", "Batches missed live, by seq arithmetic."),
     ("restarts", "kvcache_ingest_restarts_total", "Times the seq went backwards (engine restart)."),
+    ("replayed_batches", "kvcache_ingest_replayed_batches_total", "Missed batches applied from replay."),
+    ("duplicates", "kvcache_ingest_duplicate_batches_total", "Live batches already applied from replay."),
+    (
+        "lost_state_clears",
+        "kvcache_ingest_lost_state_clears_total",
+        "Times a pod's blocks were cleared: missed batches could not be replayed.",
+    ),
 )
 
 
@@ -78,7 +85,7 @@ def collect_families(snapshots: Iterable[dict], unattributed: dict[str, int]) ->
     for attr, name, doc in _STREAM_COUNTERS:
         family = CounterMetricFamily(name.removesuffix("_total"), doc, labels=labels)
         for s in snapshots:
-            family.add_metric([s["pod"], str(s["rank"]), s["model"]], s[attr])
+            family.add_metric([s["pod"], str(s["rank"]), s["model"]], s.get(attr, 0))  # 0: an older ingest
         yield family
     errors = CounterMetricFamily(
         "kvcache_ingest_decode_errors", "Malformed or skipped input, by reason.", labels=[*labels, "reason"]
@@ -89,6 +96,23 @@ def collect_families(snapshots: Iterable[dict], unattributed: dict[str, int]) ->
     for reason, n in unattributed.items():
         errors.add_metric(["", "", "", reason], n)
     yield errors
+    failed = CounterMetricFamily(
+        "kvcache_ingest_replays_failed",
+        "Replays that could not cover missed batches, by reason.",
+        labels=[*labels, "reason"],
+    )
+    for s in snapshots:
+        for reason, n in s.get("replay_failures", {}).items():
+            failed.add_metric([s["pod"], str(s["rank"]), s["model"], reason], n)
+    yield failed
+    resyncing = GaugeMetricFamily(
+        "kvcache_ingest_pod_resyncing",
+        "1 while a pod's lost state is cleared and it has not stored blocks since.",
+        labels=labels,
+    )
+    for s in snapshots:
+        resyncing.add_metric([s["pod"], str(s["rank"]), s["model"]], 1.0 if s.get("resyncing") else 0.0)
+    yield resyncing
     lag = GaugeMetricFamily(
         "kvcache_ingest_lag_seconds", "Receive time minus batch timestamp.", labels=labels
     )

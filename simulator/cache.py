@@ -72,6 +72,10 @@ class BlockCache:
         """How many blocks hold a key."""
         return len(self._cached)
 
+    def cached_keys(self) -> list[int]:
+        """Every key a block holds (what the engine's KV events say it stores)."""
+        return list(self._cached)
+
     def cached_prefix(self, keys: Sequence[int]) -> list[int]:
         """Block ids holding the longest prefix of ``keys`` that is cached (contiguous from the
         first key, as vLLM matches: a hole ends the prefix)."""

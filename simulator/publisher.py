@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from ingest.events import Event, Layout, encode_batch, encode_message
+from ingest.replay import offset_endpoint
 
 __all__ = ["END_SEQ", "EventPublisher", "ReplayLayout", "offset_endpoint", "should_bind"]
 
@@ -41,20 +42,6 @@ DEFAULT_BUFFER_STEPS: Final = 10_000
 def should_bind(endpoint: str) -> bool:
     """vLLM's rule: a PUB binds a wildcard or local endpoint and connects to anything else."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def offset_endpoint(endpoint: str, offset: int) -> str:
-    """The endpoint of the ``offset``-th publisher sharing a base endpoint: a TCP port + offset
-    (vLLM's data-parallel rule, also used for the pods of a fleet); ``ipc``/``inproc`` endpoints
-    get a ``_dp<offset>`` suffix. Offset 0 is the endpoint itself."""
-    if offset == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        host, colon, port = endpoint.rpartition(":")
-        if not colon or not port.isdigit():
-            raise ValueError(f"endpoint {endpoint!r} has no port to offset")
-        return f"{host}:{int(port) + offset}"
-    return f"{endpoint}_dp{offset}"
 
 
 class EventPublisher:
@@ -136,7 +123,8 @@ class EventPublisher:
             return []
         identity, start = request[0], int.from_bytes(request[2][:8], "big")
         head = [identity, b"", self.topic] if self.replay_layout == "topic" else [identity, b""]
-        replies = [[*head, seq.to_bytes(8, "big"), payload] for seq, payload in self._buffer if seq >= start]
+        buffered = tuple(self._buffer)  # a snapshot: publish may run on another thread
+        replies = [[*head, seq.to_bytes(8, "big"), payload] for seq, payload in buffered if seq >= start]
         replies.append([*head, END_SEQ, b""])
         return replies
 

@@ -21,6 +21,7 @@ CORE = [
     "scoring.keys",
     "scoring.scorer",
     "scoring.streams",
+    "scoring.liveness",
     "ingest.events",
     "ingest.applier",
     "ingest.pool",

@@ -8,6 +8,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from scoring.liveness import HEALTHS, POD_STATES
 from scoring.models import HashSeed, ModelConfig, Pod
 from scoring.selectors import PodState
 
@@ -30,10 +31,11 @@ class PodSerializer(serializers.ModelSerializer):
             "labels",
             "enabled",
             "health",
+            "health_changed_at",
             "first_seen",
             "last_seen",
         ]
-        read_only_fields = ["health", "first_seen", "last_seen"]
+        read_only_fields = ["health", "health_changed_at", "first_seen", "last_seen"]
 
 
 class PodStateSerializer(serializers.Serializer):
@@ -44,6 +46,16 @@ class PodStateSerializer(serializers.Serializer):
     model = serializers.CharField()
     labels = serializers.JSONField()
     enabled = serializers.BooleanField()
+    health = serializers.ChoiceField(
+        choices=HEALTHS, help_text="What the liveness prober last concluded from the pod's /health."
+    )
+    health_changed_at = serializers.DateTimeField(allow_null=True)
+    state = serializers.ChoiceField(
+        choices=POD_STATES,
+        help_text="disabled; down (the prober finds /health failing: out of scores); active (an event "
+        "within DASHBOARD_STALE_SECONDS); else idle (the prober finds it up) or stale (nothing says it "
+        "is alive: no address, or not probed yet).",
+    )
     first_seen = serializers.DateTimeField(allow_null=True)
     last_seen = serializers.DateTimeField(allow_null=True)
     blocks_by_tier = serializers.DictField(
@@ -60,6 +72,7 @@ class PodStateSerializer(serializers.Serializer):
 
     def to_representation(self, instance: PodState) -> dict[str, Any]:
         data = PodSerializer(instance.pod).data
+        data["state"] = instance.state
         data["blocks_by_tier"] = instance.blocks_by_tier
         data["streams"] = instance.streams
         return data

@@ -12,12 +12,14 @@ from scoring.index import IndexUnavailable
 
 
 def readyz(request: HttpRequest) -> JsonResponse:
-    """Ready when the index and the database both answer; 503 (error shape, plus ``checks``)
-    naming what does not."""
+    """Ready when the index and the database both answer and the index holds its data: 503
+    (error shape, plus ``checks``) naming what does not, e.g. ``index resyncing`` while ingest
+    rebuilds what the index lost (``scoring.epochs``)."""
     checks: dict[str, str] = {}
     try:
         runtime.get_index().ping()
-        checks["index"] = "ok"
+        resyncing = runtime.resyncing_models()
+        checks["index"] = f"index resyncing: {', '.join(resyncing)}" if resyncing else "ok"
     except IndexUnavailable as error:
         checks["index"] = str(error)
     try:

@@ -1,7 +1,7 @@
 """The scoring metrics every web worker records (Django-free: the fast path records them).
 
 Upstream's names are kept (upstream-parity.md, "Metrics"): ``kvcache_index_lookup_requests_total``,
-``kvcache_index_lookup_hits_total`` (block keys found held, before disabled pods are taken out),
+``kvcache_index_lookup_hits_total`` (block keys found held, before disabled and down pods are taken out),
 ``kvcache_index_lookup_latency_seconds``, ``kvcache_tokenization_tokenization_latency_seconds``,
 ``kvcache_tokenization_tokenized_tokens_total``,
 ``kvcache_tokenization_render_chat_template_latency_seconds`` (``tokenizer`` is the model name).

@@ -147,7 +147,7 @@ def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, t
             expect(blocks).to_have_text("25", timeout=3_000)
             assert time.monotonic() - started < 3.0
             expect(row.locator('[data-col="hash_alignment"]')).to_have_text("100.0 %", timeout=3_000)
-            expect(row.locator('[data-col="status"]')).to_have_text("live")
+            expect(row.locator('[data-col="status"]')).to_have_text("active")
             expect(page.locator('[data-total="blocks"]')).to_contain_text("25")
 
             page.fill("#pod-filter", "no-such-pod")

@@ -34,12 +34,15 @@ ROW_FIELDS = {
     "decode_errors",
     "hash_alignment",
     "ranks",
+    "health",
     "status",
 }
 TOTALS_FIELDS = {
     "pods",
-    "live",
+    "active",
+    "idle",
     "stale",
+    "down",
     "disabled",
     "blocks",
     "blocks_by_tier",
@@ -54,6 +57,7 @@ TOTALS_FIELDS = {
     "score_requests_per_s",
     "hit_rate",
     "index_available",
+    "index_resyncing",
 }
 
 
@@ -149,7 +153,7 @@ def test_frames_follow_events_through_a_real_pipeline(staff_user, pipeline, base
         await sync_to_async(housekeeping.run_once)()  # snapshot 1: the pod, nothing stored
         frame = await receive_until(comm, row_of("pod-a"))
         [row] = frame["pods"]
-        assert (row["blocks"], row["status"], row["stored_per_s"]) == (0, "live", None)
+        assert (row["blocks"], row["status"], row["stored_per_s"]) == (0, "active", None)
 
         pub.send([stored_event(base_capture)])
         await sync_to_async(harness.sync)("pod-a")

@@ -113,7 +113,7 @@ def test_rows_merge_registry_index_and_streams_with_a_status():
     live = by_pod["live-pod"]
     assert live["blocks_by_tier"] == {"cpu": 2, "gpu": 15}
     assert live["blocks"] == 17
-    assert live["status"] == "live"
+    assert live["status"] == "active"
     assert live["last_event_age"] == pytest.approx(2.0)
     assert (live["seq_gaps"], live["decode_errors"]) == (1, 3)
     assert live["stored_per_s"] is None  # no second snapshot yet: unknown, not zero
@@ -121,6 +121,27 @@ def test_rows_merge_registry_index_and_streams_with_a_status():
     assert by_pod["quiet-pod"]["status"] == "stale"
     assert by_pod["index-only"]["status"] == "stale"  # no running ingest process knows it
     assert by_pod["index-only"]["last_event_age"] is None
+
+
+def test_rows_tell_idle_stale_and_down_pods_apart_by_their_health():
+    now = 1000.0
+    rows = pod_rows(
+        now=now,
+        registry=[
+            RegistryPod("quiet-but-up", "m", True, now - 500, health="up"),
+            RegistryPod("quiet-unprobed", "m", True, now - 500),
+            RegistryPod("streaming-but-down", "m", True, now - 1, health="down"),
+        ],
+        blocks=[],
+        counters={},
+        rates={},
+        stale_after=60.0,
+    )
+    assert {r["pod"]: (r["status"], r["health"]) for r in rows} == {
+        "quiet-but-up": ("idle", "up"),
+        "quiet-unprobed": ("stale", "unknown"),
+        "streaming-but-down": ("down", "down"),
+    }
 
 
 def test_totals_add_up_rows_and_the_scoring_traffic():
@@ -132,7 +153,7 @@ def test_totals_add_up_rows_and_the_scoring_traffic():
             "events_per_s": 2.0,
             "seq_gaps": 1,
             "decode_errors": 2,
-            "status": "live",
+            "status": "active",
         },
         {
             "blocks_by_tier": {"gpu": 1, "cpu": 4},
@@ -154,7 +175,13 @@ def test_totals_add_up_rows_and_the_scoring_traffic():
     )
     assert totals["blocks"] == 8
     assert totals["blocks_by_tier"] == {"cpu": 4, "gpu": 4}
-    assert (totals["live"], totals["stale"], totals["disabled"]) == (1, 1, 0)
+    assert (totals["active"], totals["idle"], totals["stale"], totals["down"], totals["disabled"]) == (
+        1,
+        0,
+        1,
+        0,
+        0,
+    )
     assert (totals["stored_per_s"], totals["removed_per_s"], totals["events_per_s"]) == (2.0, 1.0, 2.0)
     assert totals["decode_errors"] == 7
     assert totals["score_requests_per_s"] == 5.0

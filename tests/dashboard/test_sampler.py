@@ -12,10 +12,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 from dashboard import selectors
 from dashboard.sampler import LOG_SIZE, FleetSampler
+from scoring.epochs import READY, RESYNCING, marker
 from scoring.index import open_index
 from scoring.index.base import Store, StoredBlock
 from scoring.models import Pod
-from scoring.runtime import set_index
+from scoring.runtime import invalidate_service_config, set_index
 from scoring.streams import publish_snapshot
 from tests.dashboard.conftest import stream
 
@@ -107,12 +108,23 @@ def test_a_frame_joins_registry_index_and_streams(index):
     assert set(rows) == {"registered", "indexed", "streaming"}
     assert rows["indexed"]["blocks_by_tier"] == {"cpu": 2, "gpu": 3}
     assert rows["registered"]["status"] == "disabled"
-    assert rows["streaming"]["status"] == "live"
+    assert rows["streaming"]["status"] == "active"
     totals = frame["totals"]
     assert (totals["pods"], totals["blocks"], totals["decode_errors"]) == (3, 5, 4)
     assert totals["ingest_processes"] == 1
     assert totals["index_available"] is True
     assert totals["scoring_available"] is False  # no kvcache_score counter: the page says n/a
+
+
+@pytest.mark.django_db
+def test_a_frame_says_which_models_the_index_is_rebuilding(index):
+    Pod.objects.create(pod_id="p", model=MODEL)
+    invalidate_service_config()
+    assert make_sampler().frame()["totals"]["index_resyncing"] == []
+    index.set_epoch(model=MODEL, value=marker("t1", RESYNCING))
+    assert make_sampler().frame()["totals"]["index_resyncing"] == [MODEL]
+    index.set_epoch(model=MODEL, value=marker("t1", READY))
+    assert make_sampler().frame()["totals"]["index_resyncing"] == []
 
 
 @pytest.mark.django_db

@@ -30,7 +30,7 @@ def test_anonymous_and_non_staff_go_to_the_admin_login(url, db):
 
 def test_the_fleet_page_is_an_accessible_table_with_a_filter(staff_client):
     html = staff_client.get("/dashboard/").content.decode()
-    assert html.count('<th scope="col"') == 11
+    assert html.count('<th scope="col"') == 12
     assert '<label for="pod-filter">' in html and 'id="pod-filter"' in html
     assert 'id="totals" class="totals" aria-live="polite"' in html
     assert 'aria-sort="ascending"' in html

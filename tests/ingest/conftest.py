@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from ingest.events import encode_batch, encode_message
+from ingest.events import DEFAULT_LIMITS, DecodeLimits, encode_batch, encode_message
 from ingest.pipeline import IngestPipeline
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex, open_index
@@ -54,7 +54,14 @@ class Publisher:
 class Harness:
     """The pipeline under test plus helpers to publish into it and wait for the result."""
 
-    def __init__(self, index: KVIndex, config: ServiceConfig, *, workers: int = 2) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        config: ServiceConfig,
+        *,
+        workers: int = 2,
+        limits: DecodeLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.index = index
         self.config = config
         self.context = zmq.Context()
@@ -64,6 +71,7 @@ class Harness:
             bind=["tcp://127.0.0.1:*"],
             workers=workers,
             context=self.context,
+            limits=limits,
         )
         self.pipeline.start()
         self.endpoint = self.pipeline.bound[0]
@@ -97,6 +105,10 @@ class Harness:
 
         wait_until(received, timeout=timeout, what=f"{pod}'s batches up to seq {last_sent}")
         self.pipeline.pool.join_idle(timeout)
+
+    def stream_of(self, pod: str, rank: int = 0):
+        """The pod's stream stats, None before its first batch."""
+        return next((s for s in self.stats.streams() if s.pod == pod and s.rank == rank), None)
 
     def stream(self, pod: str, rank: int = 0):
         return next(s for s in self.stats.streams() if s.pod == pod and s.rank == rank)

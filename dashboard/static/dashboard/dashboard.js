@@ -183,7 +183,8 @@
 
   // ---- the fleet page ---------------------------------------------------------------------
 
-  const STATUS_RANK = { live: 0, stale: 1, disabled: 2 };
+  // A pod's state (scoring/liveness.py pod_state), in the order a sort puts them.
+  const STATUS_RANK = { active: 0, idle: 1, stale: 2, down: 3, disabled: 4 };
 
   const COLUMNS = [
     { key: "pod", text: (r) => r.pod },
@@ -201,6 +202,7 @@
       text: (r) => fmt.percent(r.hash_alignment),
       bad: (r) => r.hash_alignment != null && r.hash_alignment < 1,
     },
+    { key: "health", text: (r) => r.health, bad: (r) => r.health === "down" },
     { key: "status", text: (r) => r.status, sortBy: (r) => STATUS_RANK[r.status] },
   ];
 
@@ -215,6 +217,8 @@
     const shown = document.getElementById("pods-shown");
     const empty = document.getElementById("pods-empty");
     const indexWarning = document.getElementById("index-warning");
+    const resyncWarning = document.getElementById("resync-warning");
+    const resyncModels = document.getElementById("resync-models");
     const totalsEl = Object.fromEntries(
       [...document.querySelectorAll("[data-total]")].map((el) => [el.dataset.total, el]),
     );
@@ -325,7 +329,7 @@
 
     function showTotals(t) {
       setText(totalsEl.pods, fmt.int(t.pods));
-      setText(totalsEl.statuses, `${t.live} / ${t.stale} / ${t.disabled}`);
+      setText(totalsEl.statuses, `${t.active} / ${t.idle} / ${t.stale} / ${t.down} / ${t.disabled}`);
       setText(totalsEl.blocks, fmt.int(t.blocks) + (t.blocks ? ` (${fmt.tiers(t.blocks_by_tier)})` : ""));
       setText(totalsEl.stored_per_s, fmt.rate(t.stored_per_s));
       setText(totalsEl.removed_per_s, fmt.rate(t.removed_per_s));
@@ -336,6 +340,9 @@
       setText(totalsEl.hit_rate, fmt.hitRate(t));
       setText(totalsEl.ingest_processes, fmt.int(t.ingest_processes));
       indexWarning.hidden = t.index_available !== false;
+      const resyncing = t.index_resyncing || [];
+      resyncWarning.hidden = resyncing.length === 0;
+      setText(resyncModels, resyncing.join(", "));
     }
 
     function drawCharts() {
@@ -473,6 +480,7 @@
       if (r) {
         setText(fields.status, r.status);
         fields.status.className = "status status-" + r.status;
+        setText(fields.health, r.health);
         setText(fields.model, r.model || DASH);
         setText(fields.blocks, fmt.int(r.blocks));
         setText(fields.blocks_by_tier, fmt.tiers(r.blocks_by_tier));

@@ -2,7 +2,9 @@
 
 A thin shell: it wires the receiver, the shard pool and one ``EventApplier`` per worker (all in
 the pure core), and does the housekeeping that needs Django: registering the pods it sees,
-sharing its counters, serving Prometheus metrics. SIGTERM/SIGINT drain the queues and exit 0.
+sharing its counters, serving Prometheus metrics, probing the pods' health
+(``scoring.liveness``) and expiring pods long unheard of. SIGTERM/SIGINT drain the queues and
+exit 0.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 
 import redis
 from asgiref.sync import async_to_sync
@@ -22,10 +25,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from ingest.events import DecodeLimits
 from ingest.pipeline import IngestPipeline
+from ingest.replay import ReplayClient
 from ingest.stats import IngestStats, IngestStatsCollector
+from scoring.index import KVIndex
 from scoring.index.base import IndexUnavailable
+from scoring.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
 from scoring.runtime import get_index, service_config
-from scoring.services import record_pods_seen
+from scoring.services import expire_pods, record_pods_seen, set_pod_health
 from scoring.streams import instance_id, publish_snapshot, withdraw_snapshot
 
 log = logging.getLogger("ingest")
@@ -63,6 +69,14 @@ class Command(BaseCommand):
             help="Serve Prometheus metrics of this process on this port (default: none).",
         )
         parser.add_argument(
+            "--replay-port-offset",
+            type=int,
+            default=settings.KVCACHE_REPLAY_PORT_OFFSET,
+            metavar="K",
+            help="Ask a pod without a registry replay_endpoint for missed batches at "
+            "tcp://host:(port + K) of its address (default: KVCACHE_REPLAY_PORT_OFFSET, else none).",
+        )
+        parser.add_argument(
             "--housekeeping-interval",
             type=float,
             default=1.0,
@@ -85,12 +99,21 @@ class Command(BaseCommand):
                 max_message_bytes=settings.KVCACHE_INGEST_MAX_MESSAGE_BYTES,
                 max_events=settings.KVCACHE_INGEST_MAX_EVENTS,
                 max_blocks=settings.KVCACHE_INGEST_MAX_BLOCKS,
+                max_pods=settings.KVCACHE_INGEST_MAX_PODS,
+            ),
+            replay=ReplayClient(
+                config=service_config,
+                port_offset=options["replay_port_offset"],
+                timeout=settings.KVCACHE_REPLAY_TIMEOUT_SECONDS,
             ),
         )
         stats = pipeline.stats
+        prober = liveness_prober(index)
         if options["metrics_port"] is not None:
             registry = CollectorRegistry()
             registry.register(IngestStatsCollector(stats))
+            if prober is not None:
+                registry.register(LivenessCollector(prober))
             start_http_server(options["metrics_port"], registry=registry)
 
         stopping = threading.Event()
@@ -109,7 +132,7 @@ class Command(BaseCommand):
         self.stdout.write(f"ingest: {endpoints}; topic {options['topic']!r}; {options['workers']} workers")
         self.stdout.flush()
 
-        housekeeping = Housekeeping(stats)
+        housekeeping = Housekeeping(stats, prober=prober)
         while not stopping.wait(options["housekeeping_interval"]):
             housekeeping.run_once()
         pipeline.stop()
@@ -134,22 +157,32 @@ def wait_for_index(index, *, timeout: float) -> None:
 
 class Housekeeping:
     """Once a second: register pods seen since last time and publish the counters (into Redis,
-    and to the channel-layer group ``KVCACHE_STATS_GROUP`` for the dashboards watching live)."""
+    and to the channel-layer group ``KVCACHE_STATS_GROUP`` for the dashboards watching live); once
+    a minute: expire pods not heard from for ``KVCACHE_POD_EXPIRE_DAYS``. Runs ``prober`` (if any)
+    from construction until ``close``."""
 
-    def __init__(self, stats: IngestStats) -> None:
+    def __init__(self, stats: IngestStats, *, prober: LivenessProber | None = None) -> None:
         self.stats = stats
+        self.prober = prober
         self._registered: dict[str, float] = {}
+        self._next_expiry = float("-inf")  # monotonic
         self._instance = instance_id()
         self._redis = (
             redis.Redis.from_url(settings.REDIS_URL) if settings.KVCACHE_INDEX_BACKEND == "redis" else None
         )
         self._channel_layer = get_channel_layer()
+        if prober is not None:
+            prober.start()
 
     def run_once(self) -> None:
         try:
             self._register_pods()
         except Exception:
             log.exception("could not update the pod registry")
+        try:
+            self._expire_pods()
+        except Exception:
+            log.exception("could not expire pods")
         snapshot = {**self.stats.snapshot(), "instance": self._instance}
         if self._redis is not None:
             try:
@@ -167,7 +200,9 @@ class Housekeeping:
     def _register_pods(self) -> None:
         seen = {}
         for s in self.stats.streams():
-            if self._registered.get(s.pod, -1.0) < s.last_event_at:
+            # A stream opened without an event (a catch-up replay of a registered pod) has no
+            # last event: registering it would date its last_seen 1970, and expiry would delete it.
+            if s.last_event_at > 0 and self._registered.get(s.pod, -1.0) < s.last_event_at:
                 first, last = seen.get(s.pod, (s.model, s.first_event_at, s.last_event_at))[1:]
                 seen[s.pod] = (s.model, min(first, s.first_event_at), max(last, s.last_event_at))
         if seen:
@@ -175,8 +210,40 @@ class Housekeeping:
             for pod, (_, _, last) in seen.items():
                 self._registered[pod] = last
 
+    def _expire_pods(self) -> None:
+        days = settings.KVCACHE_POD_EXPIRE_DAYS
+        if days <= 0 or time.monotonic() < self._next_expiry:
+            return
+        self._next_expiry = time.monotonic() + EXPIRY_INTERVAL_SECONDS
+        for pod in expire_pods(last_seen_before=datetime.now(UTC) - timedelta(days=days)):
+            log.info("pod %s expired: not heard from for %s days", pod, days)
+            self.stats.forget_pod(pod)
+            self._registered.pop(pod, None)
+
     def close(self) -> None:
+        if self.prober is not None:
+            self.prober.stop()
         if self._redis is not None:
             with contextlib.suppress(redis.RedisError):
                 withdraw_snapshot(self._redis, instance=self._instance)
             self._redis.close()
+
+
+EXPIRY_INTERVAL_SECONDS = 60.0
+"""How often housekeeping looks for pods to expire."""
+
+
+def liveness_prober(index: KVIndex) -> LivenessProber | None:
+    """The pod prober of this process: it probes the registry's enabled pods that have an address
+    and writes their health back (``KVCACHE_POD_*``); ``None`` when KVCACHE_POD_DOWN_SECONDS is 0."""
+    if settings.KVCACHE_POD_DOWN_SECONDS <= 0:
+        return None
+    return LivenessProber(
+        targets=lambda: probe_targets(service_config()),
+        index=index,
+        on_change=set_pod_health,
+        settings=LivenessSettings(
+            down_seconds=settings.KVCACHE_POD_DOWN_SECONDS,
+            forget_seconds=settings.KVCACHE_POD_FORGET_SECONDS,
+        ),
+    )

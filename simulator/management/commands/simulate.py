@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
 from scoring.config import ServiceConfig
+from scoring.services import register_pods
 from scoring.tokenization import TokenizerError, TokenizerRegistry
 from simulator.config import (
     FAILURE_TYPES,
@@ -116,6 +118,23 @@ def load_tokenizer(model: str, *, chat_template: str) -> PodTokenizer:
         return PodTokenizer(registry, model, chat_template=chat_template)
 
 
+def announced(fleet: Fleet) -> list[tuple[str, str, str, str]]:
+    """``(pod, model, address, replay endpoint)`` of each running pod, for the registry: the
+    address is host:port of its HTTP server, the replay endpoint its rank 0's (connectable: a
+    wildcard bind is named by the pod's host)."""
+    rows = []
+    for pod in fleet.pods:
+        address = pod.url.removeprefix("http://")
+        replay = pod.publishers[0].replay_bound_endpoint if pod.publishers else None
+        if replay:
+            host = address.rpartition(":")[0]
+            replay = replay.replace("tcp://0.0.0.0:", f"tcp://{host}:").replace(
+                "tcp://[::]:", f"tcp://{host}:"
+            )
+        rows.append((pod.pod_id, fleet.config.pod.model, address, replay or ""))
+    return rows
+
+
 class Command(BaseCommand):
     help = "Run N simulated vLLM pods (OpenAI HTTP + KV events over ZeroMQ) in one process."
 
@@ -159,6 +178,12 @@ class Command(BaseCommand):
         )
         events.add_argument(
             "--replay-buffer-steps", type=int, default=10_000, help="Batches kept for replay."
+        )
+        events.add_argument(
+            "--register",
+            action="store_true",
+            help="Write each pod's address and replay endpoint into the pod registry once serving "
+            "(what a deployment would tell the registry about real engines).",
         )
 
         engine = parser.add_argument_group("engine")
@@ -217,6 +242,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        self.register = options["register"]
         registry = registry_config()
         try:
             config = fleet_config(options, registry=registry)
@@ -249,6 +275,9 @@ class Command(BaseCommand):
                     f"rank {r}: {e or '-'} replay {p or '-'}" for r, (e, p) in enumerate(fleet.endpoints(i))
                 )
                 self.stdout.write(f"  {pod.pod_id}  {pod.url}  events {ends}")
+            if self.register:
+                await sync_to_async(register_pods)(announced(fleet))
+                self.stdout.write("  registered: addresses and replay endpoints are in the pod registry")
             self.stdout.flush()
             await stop.wait()
         for sig in (signal.SIGINT, signal.SIGTERM):
