@@ -131,7 +131,9 @@ class EventApplier:
                 self._pend(Remove(model, holder, event.tier, event.block_hashes), stream, "blocks_removed")
             elif isinstance(event, AllBlocksCleared):
                 state.parents.clear()
-                self._pend(ClearPod(model, holder), stream, "")
+                clear = ClearPod(model, holder)
+                if not self._updates or self._updates[-1] != clear:  # a repeat clears nothing more
+                    self._pend(clear, stream, "")
                 stream.clears += 1
 
     def flush(self) -> None:

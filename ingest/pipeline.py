@@ -11,18 +11,21 @@ among them later would outlive its use, and the index's structures form none.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from ingest.applier import EventApplier
+from ingest.applier import EventApplier, holder_id
 from ingest.events import DEFAULT_LIMITS, DecodeLimits
 from ingest.pool import DecodingHandler, Receiver, ShardPool
-from ingest.replay import ReplayClient
-from ingest.resync import CatchUp
+from ingest.replay import ReplayClient, ReplayFailed
+from ingest.resync import CatchUp, Fetched
 from ingest.stats import IngestStats
 from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
 from scoring.epochs import READY, RESYNCING, marker, new_token, parse_marker
@@ -32,6 +35,9 @@ log = logging.getLogger(__name__)
 
 EPOCH_CHECK_SECONDS = 0.5
 """How often ingest looks at the index's epoch markers (a lost index is noticed within this)."""
+
+REPLAY_FETCHERS = 16
+"""Threads that read catch-up replays at once (each one waits at most the replay timeout)."""
 
 SUBSCRIBED_SECONDS = 2.0
 """When the start-up catch-up runs again. An engine's PUB drops what it sends until ingest's
@@ -71,6 +77,9 @@ class IngestPipeline:
         self._epochs: dict[str, str] = {}  # model -> the token of the data this process indexed
         self._pending: dict[str, int] = {}  # model -> catch-ups before its marker says ready
         self._epoch_lock = threading.Lock()
+        self._fetchers = (
+            ThreadPoolExecutor(REPLAY_FETCHERS, thread_name_prefix="ingest-replay") if replay else None
+        )
 
         def handler_factory(_worker: int):
             applier = EventApplier(index, config=config, stats=self.stats)
@@ -183,16 +192,38 @@ class IngestPipeline:
 
     def _catch_up(self, model: str, *, lost: bool) -> None:
         """Queue a catch-up of every engine of ``model``; once all ran, a marker of this
-        process that says resyncing says ready."""
+        process that says resyncing says ready. The replays are read by a pool of threads
+        first (from the seq the index records, or 0), all at once: engines that do not answer
+        cost their timeout there, not the shard workers."""
         engines = self.engines(model)
         if not lost:
             config = self.config()
             engines = [e for e in engines if e[0] not in config.down_pods]
         with self._epoch_lock:
             self._pending[model] = self._pending.get(model, 0) + len(engines) + 1
+        recorded: dict[tuple[str, str], int] = {}
+        if not lost:
+            with contextlib.suppress(IndexUnavailable):  # then read from 0: the same, longer
+                recorded = self.index.progress(model=model)
         for pod, _, rank in engines:
-            self.pool.submit(CatchUp(pod, model, rank, lost=lost, done=lambda m=model: self._caught_up(m)))
+            item = CatchUp(pod, model, rank, lost=lost, done=lambda m=model: self._caught_up(m))
+            if self._fetchers is None:
+                self.pool.submit(item)
+                continue
+            seq = recorded.get((model, holder_id(pod, rank)))
+            self._fetchers.submit(self._fetch_then_queue, item, 0 if seq is None else seq + 1)
         self._caught_up(model)  # the +1: marks ready at once when there was nothing to catch up
+
+    def _fetch_then_queue(self, item: CatchUp, start: int) -> None:
+        fetched = None
+        try:
+            assert self.replay is not None
+            fetched = Fetched(start, self.replay.fetch(item.pod, item.rank, start))
+        except ReplayFailed as e:
+            fetched = Fetched(start, [], e)
+        except Exception:
+            log.exception("reading the replay of %s failed; its worker asks again", item.pod)
+        self.pool.submit(dataclasses.replace(item, fetched=fetched))
 
     def _caught_up(self, model: str) -> None:
         with self._epoch_lock:
@@ -228,6 +259,8 @@ class IngestPipeline:
         self.receiver.stop()
         self._stopped.set()
         self._thread.join(5)
+        if self._fetchers is not None:
+            self._fetchers.shutdown(wait=False, cancel_futures=True)
         self.pool.drain_and_stop(drain_timeout)
 
     def _freeze_survivors(self) -> None:

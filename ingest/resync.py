@@ -45,16 +45,28 @@ Batches = list[tuple[int, bytes]]
 
 
 @dataclass(frozen=True, slots=True)
+class Fetched:
+    """A replay read ahead of time, from seq ``start``: its batches, or why it failed."""
+
+    start: int
+    batches: Batches
+    failure: ReplayFailed | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CatchUp:
     """Work for a pod's shard worker: replay what engine ``rank`` buffers beyond what was
     applied. ``lost``: the index lost the engine's state (replay it all, from seq 0; clear and
-    mark it when that fails). ``done`` runs once the result is written to the index."""
+    mark it when that fails). ``fetched``: the replay, read by another thread (so that an engine
+    that does not answer costs that thread its timeout, not the worker); used when it reaches
+    back far enough, else the worker asks again. ``done`` runs once the result is written."""
 
     pod: str
     model: str
     rank: int = 0
     lost: bool = False
     done: Callable[[], None] | None = None
+    fetched: Fetched | None = None
 
 
 @dataclass(slots=True)
@@ -112,8 +124,16 @@ class StreamKeeper:
         engine = self._engine(item.model, holder)
         stream = self.stats.stream(item.pod, item.rank, item.model)
         start = 0 if item.lost or engine.last is None else engine.last + 1
+        prefetched = item.fetched if item.fetched is not None and item.fetched.start <= start else None
         through = self._recover(
-            item.pod, item.model, item.rank, stream, start=start, before=None, must_cover=item.lost
+            item.pod,
+            item.model,
+            item.rank,
+            stream,
+            start=start,
+            before=None,
+            must_cover=item.lost,
+            prefetched=prefetched,
         )
         if through is not None:
             engine.last = engine.replayed_through = through
@@ -150,6 +170,7 @@ class StreamKeeper:
         start: int,
         before: int | None,
         must_cover: bool,
+        prefetched: Fetched | None = None,
     ) -> int | None:
         """Replay engine ``rank`` of ``pod`` from ``start`` (up to ``before``, exclusive, when
         given) and stage it; returns the last seq staged (None: none). When the replay cannot
@@ -157,12 +178,16 @@ class StreamKeeper:
         longer reaches back to ``start``, and when it could not be read if ``must_cover``
         (batches are known to be missing)."""
         failure = None
-        try:
-            if self.replay is None:
-                raise ReplayFailed("no_endpoint", "ingest runs without replay")
-            fetched = self.replay.fetch(pod, rank, start)
-        except ReplayFailed as e:
-            fetched, failure = [], e
+        if prefetched is not None:
+            fetched = [b for b in prefetched.batches if b[0] >= start]
+            failure = prefetched.failure
+        else:
+            try:
+                if self.replay is None:
+                    raise ReplayFailed("no_endpoint", "ingest runs without replay")
+                fetched = self.replay.fetch(pod, rank, start)
+            except ReplayFailed as e:
+                fetched, failure = [], e
         if before is not None:
             fetched = [b for b in fetched if b[0] < before]
         run = _unbroken_tail(fetched)

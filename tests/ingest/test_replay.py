@@ -114,12 +114,12 @@ class Fixture:
             replay_endpoints=dict(self.endpoints),
         )
 
-    def start_ingest(self, *, timeout: float = 1.0) -> IngestPipeline:
+    def start_ingest(self, *, timeout: float = 1.0, workers: int = 2) -> IngestPipeline:
         self.pipeline = IngestPipeline(
             index=self.index,
             config=self.config,
             bind=[f"tcp://127.0.0.1:{self.port or '*'}"],
-            workers=2,
+            workers=workers,
             context=self.context,
             replay=ReplayClient(config=self.config, context=self.context, timeout=timeout),
             epoch_check_seconds=0.1,
@@ -400,6 +400,29 @@ def test_after_an_ingest_restart_what_was_sent_meanwhile_is_replayed(fx: Fixture
     fx.sync(a)
     assert fx.held(a) == 5
     assert fx.stream("pod-a").seq_gaps == 0
+
+
+def test_an_engine_that_does_not_answer_its_replay_does_not_hold_up_the_others(fx: Fixture) -> None:
+    a = fx.engine("pod-a")
+    silent = fx.context.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        fx.endpoints["gone"] = silent.getsockopt_string(zmq.LAST_ENDPOINT)  # registered, never answers
+        fx.engines.append(type("Registered", (), {"pod": "gone", "close": lambda self: None})())
+        fx.stop_ingest()
+        fx.start_ingest(timeout=3.0, workers=1)  # the start-up catch-up waits 3 s for "gone"...
+        started = time.monotonic()
+        a.store()
+        fx.sync(a)  # ... on a reader thread: pod-a's worker goes on
+        assert time.monotonic() - started < 1.5
+        wait_until(
+            lambda: fx.pipeline.stats.stream("gone", 0, MODEL).replay_failures["timeout"] >= 1,
+            timeout=10,
+            what="the replay of gone to time out",
+        )
+    finally:
+        silent.close()
 
 
 def test_an_index_that_lost_its_data_is_marked_and_rebuilt_from_the_engines(fx: Fixture) -> None:
