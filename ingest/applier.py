@@ -15,12 +15,13 @@ together: one index round trip for everything a worker found queued.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from ingest.stats import IngestStats, StreamStats
 from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
 from scoring.index import KVIndex, StoredBlock
@@ -29,6 +30,58 @@ from scoring.keys import DIGEST_SIZE, Digest, block_digest, chain_digests, extra
 
 PARENT_CACHE_SIZE = 8192
 """Engine hash -> digest entries kept per pod, so a parent is usually found without a round trip."""
+
+SLICE_BLOCKS = 2048
+"""Blocks a worker keys and writes at a time (keying ~4 ms, writing ~10 ms on Valkey): a larger
+batch is staged in slices, other engines' work in between."""
+
+
+def event_slices(events: Sequence[Event], max_blocks: int) -> Iterator[tuple[list[Event], int]]:
+    """``events`` in consecutive runs of about ``max_blocks`` blocks (``AllBlocksCleared``
+    counts one), with ``(run, blocks)``: a store or remove of more blocks is cut into several
+    events of the same meaning (a cut store's parent is the last block before the cut), so
+    applying the runs in order is applying ``events``."""
+    run: list[Event] = []
+    blocks = 0
+    for event in events:
+        for piece in _cut(event, max_blocks):
+            size = len(piece.block_hashes) if isinstance(piece, BlockStored | BlockRemoved) else 1
+            if run and blocks + size > max_blocks:
+                yield run, blocks
+                run, blocks = [], 0
+            run.append(piece)
+            blocks += size
+    if run:
+        yield run, blocks
+
+
+def _cut(event: Event, max_blocks: int) -> list[Event]:
+    hashes = getattr(event, "block_hashes", ())
+    if len(hashes) <= max_blocks:
+        return [event]
+    if isinstance(event, BlockRemoved):
+        return [
+            dataclasses.replace(event, block_hashes=hashes[i : i + max_blocks])
+            for i in range(0, len(hashes), max_blocks)
+        ]
+    if not isinstance(event, BlockStored) or not event.block_size or not event.token_ids:
+        return [event]  # no token layout to cut along (a hash-only offload): one piece
+    size = event.block_size
+    pieces: list[Event] = []
+    for i in range(0, len(hashes), max_blocks):
+        last = i + max_blocks >= len(hashes)
+        pieces.append(
+            dataclasses.replace(
+                event,
+                block_hashes=hashes[i : i + max_blocks],
+                parent_block_hash=event.parent_block_hash if i == 0 else hashes[i - 1],
+                token_ids=event.token_ids[i * size :]
+                if last
+                else event.token_ids[i * size : (i + max_blocks) * size],
+                extra_keys=None if event.extra_keys is None else event.extra_keys[i : i + max_blocks],
+            )
+        )
+    return pieces
 
 
 def holder_id(pod: str, rank: int | None) -> str:
@@ -57,6 +110,7 @@ class EventApplier:
         self._updates: list[IndexUpdate] = []
         self._counts: list[tuple[StreamStats | None, str]] = []  # per update: the counter it adds to
         self._batch_times: list[float] = []
+        self._staged_blocks = 0  # blocks staged since the last flush (stage_steps' budget)
         self._seed: str | None = None
 
     def apply(
@@ -80,6 +134,25 @@ class EventApplier:
         engine's progress (``seq``), which the index writes atomically with the last of them.
         A ``replayed`` batch (missed live, asked from the engine) counts as such and stays out
         of the lag and latency figures, which describe the live stream."""
+        for _ in self.stage_steps(
+            pod=pod, model=model, seq=seq, batch=batch, received_at=received_at, replayed=replayed
+        ):
+            self.flush()
+
+    def stage_steps(
+        self,
+        *,
+        pod: str,
+        model: str,
+        seq: int,
+        batch: EventBatch,
+        received_at: float | None = None,
+        replayed: bool = False,
+    ) -> Iterator[None]:
+        """``stage``, a slice at a time: before staging the next slice, it yields whenever
+        ``SLICE_BLOCKS`` blocks or more are staged since the last ``flush`` (the caller flushes
+        there, and may let other engines' work in meanwhile), so no batch, however large,
+        holds a worker or the index for long. The progress follows the last slice."""
         now = received_at if received_at is not None else time.time()
         rank = batch.data_parallel_rank or 0
         stream = self.stats.stream(pod, rank, model)
@@ -90,23 +163,36 @@ class EventApplier:
         else:
             stream.lag_seconds = max(0.0, now - batch.ts) if batch.ts else 0.0
         holder = holder_id(pod, rank)
-        self._stage_events(pod=pod, model=model, holder=holder, batch=batch, stream=stream)
+        for error in batch.errors:
+            stream.decode_errors[error.reason] += 1
+        for events, blocks in event_slices(batch.events, SLICE_BLOCKS):
+            if self._staged_blocks and self._staged_blocks + blocks > SLICE_BLOCKS:
+                yield
+            self._staged_blocks += blocks
+            yield from self._stage_events(pod=pod, model=model, holder=holder, events=events, stream=stream)
         self._updates.append(Progress(model, holder, seq))
         self._counts.append((None, ""))
         if batch.ts and batch.events and not replayed:
             self._batch_times.append(batch.ts)
 
-    def stage_clear(self, *, model: str, holder: str, stream: StreamStats) -> None:
+    def clear_steps(self, *, model: str, holder: str) -> Iterator[None]:
         """Clear what the index holds of engine ``holder`` (its state was lost, or it restarted),
-        ordered after anything of it already staged."""
+        after anything staged: as ``stage_steps``, flush where it yields."""
         self._pods.pop((holder, model), None)
-        self._pend(ClearPod(model, holder), stream, "")
+        yield from self._clear_index_steps(model, holder)
+
+    def _clear_index_steps(self, model: str, holder: str) -> Iterator[None]:
+        """The engine's entries out of the index, ``SLICE_BLOCKS`` at a time (an engine may hold
+        a hundred thousand blocks: ~1 s of Valkey's time in one go), yielding between: first so
+        that what is staged is written before, then after every slice but the last."""
+        if self._updates:
+            yield
+        while not self.index.clear_pod_slice(pod=holder, model=model, limit=SLICE_BLOCKS)[1]:
+            yield
 
     def _stage_events(
-        self, *, pod: str, model: str, holder: str, batch: EventBatch, stream: StreamStats
-    ) -> None:
-        for error in batch.errors:
-            stream.decode_errors[error.reason] += 1
+        self, *, pod: str, model: str, holder: str, events: Sequence[Event], stream: StreamStats
+    ) -> Iterator[None]:
         config = self.config()
         if config.seed != self._seed:
             # Every digest remembered was chained from the old seed's root: forget them all.
@@ -119,7 +205,8 @@ class EventApplier:
         state = self._pods.get((holder, model))
         if state is None:
             state = self._pods[(holder, model)] = _PodState(parents=OrderedDict())
-        for event in batch.events:
+        cleared = False  # was the event before an AllBlocksCleared?
+        for event in events:
             stream.events += 1
             if isinstance(event, BlockStored):
                 self._stage_store(
@@ -131,10 +218,10 @@ class EventApplier:
                 self._pend(Remove(model, holder, event.tier, event.block_hashes), stream, "blocks_removed")
             elif isinstance(event, AllBlocksCleared):
                 state.parents.clear()
-                clear = ClearPod(model, holder)
-                if not self._updates or self._updates[-1] != clear:  # a repeat clears nothing more
-                    self._pend(clear, stream, "")
                 stream.clears += 1
+                if not cleared:  # a repeat clears nothing more
+                    yield from self._clear_index_steps(model, holder)
+            cleared = isinstance(event, AllBlocksCleared)
 
     def flush(self) -> None:
         """Apply every pending update in one round trip. On ``IndexUnavailable`` nothing pending
@@ -145,6 +232,7 @@ class EventApplier:
                 if counter:
                     setattr(stream, counter, getattr(stream, counter) + n)
             self._updates, self._counts = [], []
+        self._staged_blocks = 0
         if self._batch_times:
             now = time.time()
             for ts in self._batch_times:

@@ -13,8 +13,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
@@ -53,11 +54,28 @@ class Received:
 
 
 class Handler(Protocol):
-    """What a worker drives: ``stage`` each message it finds queued, then ``flush`` them all."""
+    """What a worker drives: a step of each message it has (``steps``: one slice each), then
+    one ``flush`` for them all, until every message is done."""
 
-    def stage(self, item: Received | CatchUp) -> None: ...
+    def steps(self, item: Received | CatchUp) -> Iterator[None]: ...
 
     def flush(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Job:
+    """A pod's messages in a worker, oldest first, and the steps of the oldest once started."""
+
+    pod: str
+    items: deque = field(default_factory=deque)
+    steps: Iterator[None] | None = None
+
+
+def _next_or_none(q: queue.Queue) -> object | None:
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        return None
 
 
 _STOP = object()
@@ -86,6 +104,7 @@ class ShardPool:
         self._stopping = threading.Event()
         self._give_up_at = float("inf")
         self._shard_of: dict[str, int] = {}
+        self._in_jobs = [0] * workers  # messages taken from each queue and not done yet
 
     def start(self) -> None:
         for t in self._threads:
@@ -124,7 +143,8 @@ class ShardPool:
     def join_idle(self, timeout: float) -> None:
         """Wait until every queued message has been handled (tests and benchmarks)."""
         deadline = time.monotonic() + timeout
-        while any(q.unfinished_tasks for q in self.queues):
+        # A parcel moves into the worker's jobs (counted) before it is marked done in the queue.
+        while any(q.unfinished_tasks for q in self.queues) or any(self._in_jobs):
             if time.monotonic() > deadline:
                 raise TimeoutError("ingest workers did not become idle")
             time.sleep(0.002)
@@ -143,20 +163,80 @@ class ShardPool:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self, worker: int) -> None:
+        """Round after round: take what is queued into per-pod jobs, let every pod with work
+        stage its oldest messages up to one slice (``SLICE_BLOCKS`` blocks, at most
+        ``MAX_MESSAGES_PER_FLUSH`` messages), flush once for all of them. A pod's messages stay
+        in order; a pod with a huge message gets a slice per round while the other pods'
+        messages go on between its slices. At most a queue's worth of messages is taken into
+        jobs, so a worker that falls behind still fills its queue (and the receiver waits)."""
         handler = self._handlers[worker]
         q = self.queues[worker]
+        room = q.maxsize * MAX_MESSAGES_PER_FLUSH
+        jobs: deque[_Job] = deque()  # pods with work, in turn
+        by_pod: dict[str, _Job] = {}
+        stopping = False
         while True:
-            parcel = q.get()
-            if parcel is _STOP:
+            parcel = q.get() if not jobs and not stopping else None
+            while parcel is not None or (self._in_jobs[worker] < room and (parcel := _next_or_none(q))):
+                if parcel is _STOP:
+                    stopping = True
+                else:
+                    self._in_jobs[worker] += len(parcel)
+                    for item in parcel:
+                        job = by_pod.get(item.pod)
+                        if job is None:
+                            job = by_pod[item.pod] = _Job(item.pod)
+                            jobs.append(job)
+                        job.items.append(item)
                 q.task_done()
-                return
+                parcel = None
+            if not jobs:
+                if stopping:
+                    return
+                continue
+            for _ in range(len(jobs)):
+                job = jobs.popleft()
+                self._in_jobs[worker] -= self._turn(worker, handler, job)
+                if job.items:
+                    jobs.append(job)
+                else:
+                    del by_pod[job.pod]
+            self._retrying(worker, handler.flush, "the last round")
+
+    def _turn(self, worker: int, handler: Handler, job: _Job) -> int:
+        """The job's turn in a round: steps of its oldest messages until one yields (its slice
+        is staged) or ``MAX_MESSAGES_PER_FLUSH`` are done; returns how many were done. While
+        the index is unreachable a message starts over after a backoff (its writes are
+        idempotent); any other error is logged and the message dropped (a bug in one message
+        cannot kill the worker)."""
+        done = 0
+        backoff = 0.05
+        while job.items and done < MAX_MESSAGES_PER_FLUSH:
+            if job.steps is None:
+                job.steps = handler.steps(job.items[0])
             try:
-                for item in parcel:
-                    self._retrying(worker, lambda item=item: handler.stage(item), item.pod)
-                if parcel:
-                    self._retrying(worker, handler.flush, parcel[-1].pod)
-            finally:
-                q.task_done()
+                next(job.steps)
+                return done  # a slice is staged: the round flushes it, the rest waits a turn
+            except StopIteration:
+                pass
+            except IndexUnavailable as e:
+                job.steps = None
+                if not (self._stopping.is_set() and time.monotonic() > self._give_up_at):
+                    log.warning(
+                        "ingest worker %d: index unreachable (%s); retrying in %.2fs", worker, e, backoff
+                    )
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+                log.error(
+                    "ingest worker %d dropped a message of %s: index unreachable: %s", worker, job.pod, e
+                )
+            except Exception:
+                log.exception("ingest worker %d failed on a message from %s", worker, job.pod)
+            job.steps = None
+            job.items.popleft()
+            done += 1
+        return done
 
     def _retrying(self, worker: int, step: Callable[[], None], pod: str) -> None:
         """Run one step. While the index is unreachable, retry with backoff rather than lose
@@ -302,11 +382,16 @@ class DecodingHandler:
         self.keeper = StreamKeeper(applier, stats, limits=limits, replay=replay, progress=progress)
         self._after_flush: list[Callable[[], None]] = []
 
-    def stage(self, item: Received | CatchUp) -> None:
+    def steps(self, item: Received | CatchUp) -> Iterator[None]:
+        """Stage ``item``, a slice at a time: the worker flushes where this yields, and lets
+        other pods' work in between. Should a step fail, what it staged is dropped (the worker
+        then starts ``item`` over: what earlier steps wrote is written again, harmlessly)."""
         mark = self.applier.pending
         try:
             if isinstance(item, CatchUp):
-                self.keeper.catch_up(item)
+                for _ in self.keeper.catch_up(item):
+                    yield
+                    mark = self.applier.pending
                 if item.done is not None:
                     self._after_flush.append(item.done)
                 return
@@ -320,10 +405,12 @@ class DecodingHandler:
                 self.keeper.skipped(pod=item.pod, model=item.model, seq=item.seq)
                 MALFORMED_LOG.warning(e.reason, "skipped an undecodable batch from %.80s: %s", item.pod, e)
                 return
-            self.keeper.accept(
+            for _ in self.keeper.accept(
                 pod=item.pod, model=item.model, seq=item.seq, batch=batch, received_at=item.received_at
-            )
-        except BaseException:
+            ):
+                yield
+                mark = self.applier.pending
+        except Exception:
             self.applier.discard_staged(mark)
             raise
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 
 from ingest.applier import EventApplier, holder_id
@@ -95,8 +95,11 @@ class StreamKeeper:
         self._progress = dict(progress or {})
         self._engines: dict[tuple[str, str], _Engine] = {}
 
-    def accept(self, *, pod: str, model: str, seq: int, batch: EventBatch, received_at: float) -> None:
-        """Stage the live batch ``seq`` of ``pod``, and before it what the rules above say."""
+    def accept(
+        self, *, pod: str, model: str, seq: int, batch: EventBatch, received_at: float
+    ) -> Iterator[None]:
+        """Stage the live batch ``seq`` of ``pod``, and before it what the rules above say; a
+        slice at a time (``EventApplier.stage_steps``: flush where it yields)."""
         rank = batch.data_parallel_rank or 0
         holder = holder_id(pod, rank)
         engine = self._engine(model, holder)
@@ -108,24 +111,27 @@ class StreamKeeper:
                 stream.duplicates += 1
                 return
             stream.restarts += 1
-            self.applier.stage_clear(model=model, holder=holder, stream=stream)
+            yield from self.applier.clear_steps(model=model, holder=holder)
             last = None
         expected = 0 if last is None else last + 1
         if seq > expected and not engine.take_next and pod not in self.applier.config().disabled_pods:
             stream.seq_gaps += 1
             stream.missed_batches += seq - expected
-            self._recover(pod, model, rank, stream, start=expected, before=seq, must_cover=True)
-        self.applier.stage(pod=pod, model=model, seq=seq, batch=batch, received_at=received_at)
+            yield from self._recover(pod, model, rank, stream, start=expected, before=seq, must_cover=True)
+        yield from self.applier.stage_steps(
+            pod=pod, model=model, seq=seq, batch=batch, received_at=received_at
+        )
         engine.last, engine.take_next = seq, False
 
-    def catch_up(self, item: CatchUp) -> None:
-        """Stage what engine ``item.rank`` of ``item.pod`` buffers beyond what was applied."""
+    def catch_up(self, item: CatchUp) -> Iterator[None]:
+        """Stage what engine ``item.rank`` of ``item.pod`` buffers beyond what was applied (a
+        slice at a time, as ``accept``)."""
         holder = holder_id(item.pod, item.rank)
         engine = self._engine(item.model, holder)
         stream = self.stats.stream(item.pod, item.rank, item.model)
         start = 0 if item.lost or engine.last is None else engine.last + 1
         prefetched = item.fetched if item.fetched is not None and item.fetched.start <= start else None
-        through = self._recover(
+        through = yield from self._recover(
             item.pod,
             item.model,
             item.rank,
@@ -171,7 +177,7 @@ class StreamKeeper:
         before: int | None,
         must_cover: bool,
         prefetched: Fetched | None = None,
-    ) -> int | None:
+    ) -> Generator[None, None, int | None]:
         """Replay engine ``rank`` of ``pod`` from ``start`` (up to ``before``, exclusive, when
         given) and stage it; returns the last seq staged (None: none). When the replay cannot
         cover what was missed, the engine is cleared and marked: always when the buffer no
@@ -202,7 +208,7 @@ class StreamKeeper:
             if clear:
                 stream.lost_state_clears += 1
                 stream.resyncing = True
-                self.applier.stage_clear(model=model, holder=holder_id(pod, rank), stream=stream)
+                yield from self.applier.clear_steps(model=model, holder=holder_id(pod, rank))
             REPLAY_LOG.warning(
                 reason,
                 "%.80s rank %d: could not replay from seq %d (%s)%s",
@@ -219,7 +225,9 @@ class StreamKeeper:
             except DecodeError as e:
                 stream.decode_errors[e.reason] += 1
                 continue
-            self.applier.stage(pod=pod, model=model, seq=seq, batch=batch, received_at=now, replayed=True)
+            yield from self.applier.stage_steps(
+                pod=pod, model=model, seq=seq, batch=batch, received_at=now, replayed=True
+            )
         return run[-1][0] if run else None
 
 

@@ -15,7 +15,7 @@
 | KVCACHE_TOKENIZERS_DIR | "" (none) | tokenizer discovery root (HF-cache or ``org/name/`` layout) |
 | KVCACHE_ALLOW_HUB | false | download tokenizers from the model hub when no local source has one |
 | KVCACHE_PREFIX_STORE_CAPACITY | 500000 | prompt chunks the tokenization prefix store keeps (0 disables it) |
-| KVCACHE_INGEST_MAX_MESSAGE_BYTES | 8388608 | a larger KV-event payload is counted (too_large) and skipped |
+| KVCACHE_INGEST_MAX_MESSAGE_BYTES | 2097152 | a larger KV-event payload is counted (too_large) and skipped |
 | KVCACHE_INGEST_MAX_EVENTS | 4096 | a batch with more events is counted (too_many_events) and skipped |
 | KVCACHE_INGEST_MAX_BLOCKS | 65536 | an event with more blocks is counted (too_many_blocks) and skipped |
 | KVCACHE_INGEST_MAX_PODS | 4096 | batches of pods beyond this many are counted (too_many_pods) and skipped |
@@ -206,7 +206,7 @@ KVCACHE_MAX_JSON_DEPTH = int(os.environ.get("KVCACHE_MAX_JSON_DEPTH", "64"))
 
 # --- bounded ingest (ingest/events.py DecodeLimits): past a limit, input is counted and skipped ---
 KVCACHE_INGEST_MAX_MESSAGE_BYTES = int(
-    os.environ.get("KVCACHE_INGEST_MAX_MESSAGE_BYTES", str(8 * 1024 * 1024))
+    os.environ.get("KVCACHE_INGEST_MAX_MESSAGE_BYTES", str(2 * 1024 * 1024))
 )
 KVCACHE_INGEST_MAX_EVENTS = int(os.environ.get("KVCACHE_INGEST_MAX_EVENTS", "4096"))
 KVCACHE_INGEST_MAX_BLOCKS = int(os.environ.get("KVCACHE_INGEST_MAX_BLOCKS", "65536"))

@@ -187,6 +187,12 @@ class KVIndex(Protocol):
         """Remove every entry of ``pod`` (under ``model``, or under every model), in slices;
         returns how many (key, tier) entries went."""
 
+    def clear_pod_slice(self, *, pod: str, model: str, limit: int) -> tuple[int, bool]:
+        """Remove at most ``limit`` (>= 1) entries of ``pod`` under ``model``, atomically; returns
+        how many went and whether the pod is now gone. Called until it says so, it is
+        ``clear_pod`` in pieces that leave the index consistent in between (for a caller that
+        has other work to do between them)."""
+
     def clear_model(self, *, model: str) -> int:
         """Remove everything indexed under ``model`` (its seed or block size changed), pod by
         pod, in slices; returns how many (key, pod, tier) entries went. Entries stored while it

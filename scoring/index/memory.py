@@ -238,6 +238,12 @@ class MemoryIndex:
             models = list(self._pods) if model is None else [model]
         return sum(self._apply([ClearPod(m, pod) for m in models]))
 
+    def clear_pod_slice(self, *, pod: str, model: str, limit: int) -> tuple[int, bool]:
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        with self._lock:
+            return self._clear_pod_slice(model, pod, limit)
+
     def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
         """Apply ``updates`` in order (see ``KVIndex``), under as few holds of the lock as the
         slices allow: the lock is let go only where the work of one hold would pass

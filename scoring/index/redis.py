@@ -742,6 +742,14 @@ class RedisIndex:
         return sum(self.apply_updates([ClearPod(m, pod) for m in models]))
 
     @_unavailable_on_connection_error
+    def clear_pod_slice(self, *, pod: str, model: str, limit: int) -> tuple[int, bool]:
+        """One call of the ``clear_pod`` script (see ``KVIndex``)."""
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        removed, more = self._run(*self._clear_pod_call(model, pod, limit, _NO_PROGRESS))
+        return int(removed), not more
+
+    @_unavailable_on_connection_error
     def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
         """Apply ``updates`` in order (see ``KVIndex``) with the scripts of the module
         docstring, in non-transactional pipelines of at most ``slice_blocks`` blocks, engine

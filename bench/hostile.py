@@ -1,0 +1,261 @@
+"""Hostile KV-event input against a real ``manage.py ingest`` (and ``serve``): what it costs now.
+
+Each case is one of the measurements that opened issue 9, repeated on the bounded ingest:
+
+* ``pod_flood``: 30,000 distinct pod names in one burst. Recorded: ingest's memory growth, the
+  registry rows created, the size of the stats ingest writes to Valkey each second, and the size
+  and time of the web process's ``/metrics``.
+* ``victim_delay``: one engine sends the largest input the limits let through (a 2 MiB message;
+  a 16,384-block store; a 65,536-hash remove; 4,096 ``AllBlocksCleared``), then a small batch of
+  another engine on the same shard worker follows. Recorded: how long after sending the victim's
+  batch is visible in the index, against the same batch sent alone (the floor, same run).
+
+    .venv/bin/python bench/hostile.py [--rounds 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+import zmq  # noqa: E402
+
+from bench.faults import SEED, Valkey, free_port, wait_for  # noqa: E402
+from bench.machine import machine  # noqa: E402
+from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, encode_message  # noqa: E402
+from scoring.index import open_index  # noqa: E402
+from scoring.keys import chain_digests, key_of, root_digest  # noqa: E402
+from scoring.streams import STATS_KEY  # noqa: E402
+
+MODEL = "bench/hostile"
+BLOCK = 16
+
+
+class Ingest:
+    """``manage.py ingest`` with one worker (every pod on the same shard) over its own Valkey
+    and database; ``serve`` on demand."""
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvhostile-"))
+        self.valkey = Valkey()
+        self.env = {
+            **os.environ,
+            "REDIS_URL": self.valkey.url,
+            "KVCACHE_INDEX_BACKEND": "redis",
+            "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}",
+            "KVCACHE_VAR_DIR": str(self.tmp),
+            "KVCACHE_HASH_SEED": SEED,
+            "DJANGO_SETTINGS_MODULE": "kvsite.settings",
+            "KVCACHE_POD_DOWN_SECONDS": "0",
+        }
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=self.env, check=True
+        )
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "ingest",
+                "--bind",
+                f"tcp://127.0.0.1:{self.port}",
+                "--workers",
+                "1",
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.index = open_index(self.valkey.url)
+        self.context = zmq.Context()
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.connect(f"tcp://127.0.0.1:{self.port}")
+        self.seqs: dict[str, int] = {}
+
+        # ZeroMQ drops what a PUB sends before the subscription is through: send until it lands.
+        def heard() -> bool:
+            self.send("warm", [])
+            return (MODEL, "warm") in self.index.progress(model=MODEL)
+
+        wait_for(heard, timeout=60, what="ingest", every=0.05)
+
+    def send(self, pod: str, events: list, **kwargs: object) -> int:
+        seq = self.seqs.get(pod, -1) + 1
+        self.seqs[pod] = seq
+        payload = kwargs.pop("payload", None) or encode_batch(events, ts=time.time(), layout="map")
+        self.pub.send_multipart(encode_message(pod, MODEL, seq, payload))
+        return seq + 1  # truthy
+
+    def applied(self, pod: str) -> bool:
+        return self.index.progress(model=MODEL).get((MODEL, pod)) == self.seqs[pod]
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.pub.close()
+        self.context.term()
+        self.index.close()
+        self.valkey.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def stores(count: int, *, start_token: int = 0) -> BlockStored:
+    tokens = [(start_token + i) % 150_000 for i in range(count * BLOCK)]
+    keys = [key_of(d) for d in chain_digests(tokens, block_size=BLOCK, parent=root_digest(SEED))]
+    return BlockStored(
+        block_hashes=tuple(keys), parent_block_hash=None, token_ids=tuple(tokens), block_size=BLOCK
+    )
+
+
+def pod_flood(ingest: Ingest, pods: int) -> dict:
+    rss_before = ingest.rss_mb()
+    payload = encode_batch([stores(1)], ts=time.time(), layout="map")
+    started = time.monotonic()
+    for i in range(pods):
+        ingest.send(f"flood-{i}", [], payload=payload)
+    sent_seconds = time.monotonic() - started
+    time.sleep(5)  # housekeeping registers pods and publishes stats once a second
+    with sqlite3.connect(ingest.tmp / "db.sqlite3") as db:
+        rows = db.execute("select count(*) from scoring_pod").fetchone()[0]
+    stats = redis.Redis.from_url(ingest.valkey.url).hvals(STATS_KEY)
+    web_port = free_port()
+    web = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(web_port), "--workers", "1"],
+        cwd=ROOT,
+        env=ingest.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{web_port}"
+
+        def up() -> bool:
+            try:
+                return urllib.request.urlopen(f"{url}/healthz", timeout=1).status == 200
+            except OSError:
+                return False
+
+        wait_for(up, timeout=60, what="the web server", every=0.1)
+        times, size = [], 0
+        for _ in range(3):
+            t = time.perf_counter()
+            size = len(urllib.request.urlopen(f"{url}/metrics", timeout=60).read())
+            times.append(time.perf_counter() - t)
+    finally:
+        web.send_signal(signal.SIGTERM)
+        web.wait(20)
+    return {
+        "pods_sent": pods,
+        "send_seconds": round(sent_seconds, 3),
+        "ingest_rss_growth_mb": round(ingest.rss_mb() - rss_before, 1),
+        "registry_rows": rows,
+        "stats_json_bytes": sum(len(v) for v in stats),
+        "metrics_bytes": size,
+        "metrics_seconds_median": round(statistics.median(times), 3),
+    }
+
+
+def within_bytes(limit: int) -> list[BlockStored]:
+    """4,096 store events (the most a batch may carry), as many blocks each as fit ``limit``."""
+    per_event = 64
+    while True:
+        events = [stores(per_event, start_token=7 * i) for i in range(4096)]
+        if len(encode_batch(events, ts=0.0, layout="map")) <= limit:
+            return events
+        per_event -= 2
+
+
+# (name, the events, whether the limits let it through: then the victim waits behind it)
+HOSTILE = [
+    ("2 MiB message of 4,096 stores (at the limits)", lambda: within_bytes(2 * 2**20), True),
+    ("65,536-block store, 4.9 MB (over the limits: skipped)", lambda: [stores(65_536)], False),
+    ("16,384-block store", lambda: [stores(16_384)], True),
+    ("65,536-hash remove", lambda: [BlockRemoved(block_hashes=tuple(range(1, 65_537)))], True),
+    ("4,096 AllBlocksCleared", lambda: [AllBlocksCleared()] * 4096, True),
+    ("10^6 AllBlocksCleared, 18 MB (over the limits: skipped)", lambda: [AllBlocksCleared()] * 10**6, False),
+]
+
+
+def victim_delay(ingest: Ingest, rounds: int) -> dict:
+    """Milliseconds from sending the victim's one-block batch until the index shows it applied:
+    alone (the floor), and right after each hostile input."""
+    victim = [stores(1, start_token=99)]
+
+    def visible_after(hostile: bytes | None, applied: bool) -> float:
+        if hostile is not None:
+            ingest.send("hostile", [], payload=hostile)
+        started = time.monotonic()
+        ingest.send("victim", victim)
+        wait_for(lambda: ingest.applied("victim"), timeout=120, what="the victim's batch", every=0.001)
+        elapsed = (time.monotonic() - started) * 1000
+        if hostile is not None and applied:
+            wait_for(lambda: ingest.applied("hostile"), timeout=120, what="the hostile batch", every=0.01)
+        return elapsed
+
+    ingest.send("hostile", [])
+    out = {}
+    floor = [visible_after(None, True) for _ in range(rounds)]
+    out["alone (floor)"] = {"median_ms": round(statistics.median(floor), 1), "max_ms": round(max(floor), 1)}
+    for name, make, applied in HOSTILE:
+        payload = encode_batch(make(), ts=time.time(), layout="map")
+        delays = [visible_after(payload, applied) for _ in range(rounds)]
+        out[name] = {
+            "message_bytes": len(payload),
+            "median_ms": round(statistics.median(delays), 1),
+            "max_ms": round(max(delays), 1),
+            "ratio_to_floor": round(statistics.median(delays) / statistics.median(floor), 1),
+        }
+        print(name, out[name], flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pods", type=int, default=30_000, help="Distinct pod names in the flood.")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    report: dict = {"machine": machine(rounds=args.rounds)}
+    ingest = Ingest()
+    try:
+        report["victim_delay"] = victim_delay(ingest, args.rounds)
+        print(json.dumps(report["victim_delay"], indent=2), flush=True)
+        report["pod_flood"] = pod_flood(ingest, args.pods)
+        print(json.dumps(report["pod_flood"], indent=2), flush=True)
+    finally:
+        ingest.close()
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
