@@ -104,6 +104,9 @@ bench: install bench-deps
 	$(PY) bench/keys.py
 	$(PY) bench/ingest.py
 	$(PY) bench/score.py
+	$(PY) bench/index_slices.py
+	$(PY) bench/hostile.py
+	$(PY) bench/faults.py
 
 freeze:
 	$(BIN)/pip freeze | grep -v '^-e' > requirements.txt

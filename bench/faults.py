@@ -417,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--qps", type=float, default=40.0, help="Completions per second over the fleet.")
     parser.add_argument("--down", type=float, default=3.0, help="Seconds ingest stays dead.")
     parser.add_argument("--load-before", type=float, default=2.0, help="Seconds of load before a fault.")
-    parser.add_argument("--out", type=Path, default=None, help="Write the results as JSON here.")
+    parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "faults.json")
     return parser.parse_args(argv)
 
 
@@ -452,8 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": runs,
     }
     print(json.dumps(summary, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pods", type=int, default=30_000, help="Distinct pod names in the flood.")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "hostile.json")
     args = parser.parse_args(argv)
     report: dict = {"machine": machine(rounds=args.rounds)}
     ingest = Ingest()
@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(report["pod_flood"], indent=2), flush=True)
     finally:
         ingest.close()
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
     return report
 
 

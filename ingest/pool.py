@@ -78,6 +78,10 @@ def _next_or_none(q: queue.Queue) -> object | None:
         return None
 
 
+MAX_BACKOFF_SECONDS = 0.5
+"""The longest a worker waits between tries while the index is unreachable: a restarted server
+is written to within this of answering again."""
+
 _STOP = object()
 MAX_MESSAGES_PER_FLUSH = 64
 """Messages in one parcel, which a worker stages and then flushes in one index round trip."""
@@ -226,7 +230,7 @@ class ShardPool:
                         "ingest worker %d: index unreachable (%s); retrying in %.2fs", worker, e, backoff
                     )
                     time.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
                     continue
                 log.error(
                     "ingest worker %d dropped a message of %s: index unreachable: %s", worker, job.pod, e
@@ -258,7 +262,7 @@ class ShardPool:
                     return
                 log.warning("ingest worker %d: index unreachable (%s); retrying in %.2fs", worker, e, backoff)
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
             except Exception:
                 log.exception("ingest worker %d failed on a message from %s", worker, pod)
                 return
