@@ -25,6 +25,8 @@ COUNTERS = (
     "seq_gaps",
     "missed_batches",
     "restarts",
+    "replayed_batches",
+    "lost_state_clears",
     "aligned_blocks",
     "misaligned_blocks",
     "orphaned_blocks",
@@ -52,6 +54,7 @@ class PodCounters:
     last_event_at: float
     last_seq: int | None
     ranks: int
+    resyncing: bool = False  # a rank's state was lost and cleared, and it has not stored since
 
     @property
     def hash_alignment(self) -> float | None:
@@ -81,6 +84,7 @@ def pod_counters(streams: Iterable[Mapping]) -> dict[str, PodCounters]:
             last_event_at=latest.get("last_event_at", 0.0),
             last_seq=latest.get("last_seq"),
             ranks=len(ranks),
+            resyncing=any(s.get("resyncing") for s in ranks),
         )
     return out
 
@@ -220,6 +224,9 @@ def pod_rows(
                 "seq_gaps": cnt.counts["seq_gaps"] if cnt else 0,
                 "missed_batches": cnt.counts["missed_batches"] if cnt else 0,
                 "restarts": cnt.counts["restarts"] if cnt else 0,
+                "replayed_batches": cnt.counts["replayed_batches"] if cnt else 0,
+                "lost_state_clears": cnt.counts["lost_state_clears"] if cnt else 0,
+                "resyncing": cnt.resyncing if cnt else False,
                 "decode_errors": sum(cnt.decode_errors.values()) if cnt else 0,
                 "hash_alignment": cnt.hash_alignment if cnt else None,
                 "ranks": cnt.ranks if cnt else 0,

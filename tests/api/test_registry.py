@@ -11,6 +11,7 @@ import redis
 from scoring.api.codecs import json_depth_exceeds
 from scoring.models import ModelConfig, Pod
 from scoring.runtime import CONFIG_REFRESH_SECONDS
+from scoring.selectors import load_service_config
 from scoring.streams import publish_snapshot
 from tests.api.conftest import MODEL, post
 
@@ -52,6 +53,18 @@ def test_staff_create_read_update_and_delete_a_pod(staff, index):
 
     assert staff.delete("/api/v1/pods/pod-a/").status_code == 204
     assert not Pod.objects.filter(pod_id="pod-a").exists()
+
+
+def test_a_pods_replay_endpoint_is_set_through_the_api_and_reaches_ingests_config(staff, index):
+    staff.post("/api/v1/pods/", {"pod_id": "pod-a", "model": MODEL}, format="json")
+    patched = staff.patch("/api/v1/pods/pod-a/", {"replay_endpoint": "tcp://10.0.0.1:5558"}, format="json")
+    assert patched.status_code == 200
+    assert patched.json()["replay_endpoint"] == "tcp://10.0.0.1:5558"
+    assert patched.json()["health"] == "unknown"
+    assert load_service_config().replay_endpoints == {"pod-a": "tcp://10.0.0.1:5558"}
+    # health belongs to the prober: the API reads it, never writes it
+    staff.patch("/api/v1/pods/pod-a/", {"health": "down"}, format="json")
+    assert Pod.objects.get(pod_id="pod-a").health == "unknown"
 
 
 def test_a_pod_id_is_unique_and_cannot_be_renamed(staff, index):

@@ -100,7 +100,14 @@ def test_rows_merge_registry_index_and_streams_with_a_status():
         ],
         counters=pod_counters(
             [
-                stream("live-pod", last_event_at=now - 2, seq_gaps=1, decode_errors={"x": 3}),
+                stream(
+                    "live-pod",
+                    last_event_at=now - 2,
+                    seq_gaps=1,
+                    replayed_batches=4,
+                    decode_errors={"x": 3},
+                    resyncing=True,
+                ),
                 stream("off-pod", last_event_at=now - 1),
                 stream("quiet-pod", last_event_at=now - 400),
             ]
@@ -111,6 +118,8 @@ def test_rows_merge_registry_index_and_streams_with_a_status():
     by_pod = {r["pod"]: r for r in rows}
     assert [r["pod"] for r in rows] == sorted(by_pod)
     live = by_pod["live-pod"]
+    assert (live["replayed_batches"], live["resyncing"]) == (4, True)
+    assert by_pod["off-pod"]["resyncing"] is False
     assert live["blocks_by_tier"] == {"cpu": 2, "gpu": 15}
     assert live["blocks"] == 17
     assert live["status"] == "active"

@@ -194,7 +194,14 @@
     { key: "stored_per_s", num: true, text: (r) => fmt.rate(r.stored_per_s) },
     { key: "removed_per_s", num: true, text: (r) => fmt.rate(r.removed_per_s) },
     { key: "last_event_age", num: true, text: (r) => fmt.age(r.last_event_age) },
-    { key: "seq_gaps", num: true, text: (r) => fmt.int(r.seq_gaps), bad: (r) => r.seq_gaps > 0 },
+    {
+      key: "seq_gaps",
+      num: true,
+      // Gaps are replayed; a pod whose gap could not be is cleared and resyncing until it stores.
+      text: (r) => fmt.int(r.seq_gaps) + (r.replayed_batches ? ` (${fmt.int(r.replayed_batches)} replayed)` : "") +
+        (r.resyncing ? " resyncing" : ""),
+      bad: (r) => r.resyncing || r.lost_state_clears > 0,
+    },
     { key: "decode_errors", num: true, text: (r) => fmt.int(r.decode_errors), bad: (r) => r.decode_errors > 0 },
     {
       key: "hash_alignment",
