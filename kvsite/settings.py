@@ -21,6 +21,10 @@
 | KVCACHE_INGEST_MAX_PODS | 4096 | batches of pods beyond this many are counted (too_many_pods) and skipped |
 | KVCACHE_REPLAY_TIMEOUT_SECONDS | 2.0 | how long ingest waits for an engine's replay of missed batches |
 | KVCACHE_REPLAY_PORT_OFFSET | "" (none) | replay endpoint = tcp://host:(port + offset) of the pod's address |
+| KVCACHE_GATEWAY_POLICY | kv-load | the gateway's routing policy (gateway/policies.py) |
+| KVCACHE_GATEWAY_ALPHA | 0.1 | kv-load: the weight of one in-flight request against a whole prefix hit |
+| KVCACHE_SPECULATIVE_SECONDS | 2.0 | a routed request's blocks count as held by its pod this long |
+| KVCACHE_GATEWAY_RETRIES | 2 | next pods tried after a connect error or a 5xx before the first byte |
 | KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
 | KVCACHE_REQUEST_TEMPLATES | true | accept ``chat_template`` in scoring requests (rendered in a sandbox) |
@@ -92,6 +96,7 @@ INSTALLED_APPS = [
     "ingest",
     "dashboard",
     "simulator",
+    "gateway",
 ]
 
 MIDDLEWARE = [
@@ -211,6 +216,15 @@ KVCACHE_INGEST_MAX_MESSAGE_BYTES = int(
 KVCACHE_INGEST_MAX_EVENTS = int(os.environ.get("KVCACHE_INGEST_MAX_EVENTS", "4096"))
 KVCACHE_INGEST_MAX_BLOCKS = int(os.environ.get("KVCACHE_INGEST_MAX_BLOCKS", "65536"))
 KVCACHE_INGEST_MAX_PODS = int(os.environ.get("KVCACHE_INGEST_MAX_PODS", "4096"))
+
+# --- the OpenAI gateway (gateway/, manage.py gateway) --------------------------------------------
+KVCACHE_GATEWAY_POLICY = os.environ.get("KVCACHE_GATEWAY_POLICY", "kv-load")
+# kv-load's weight of one in-flight request against a whole prefix hit (0.1: ten requests of queue)
+KVCACHE_GATEWAY_ALPHA = float(os.environ.get("KVCACHE_GATEWAY_ALPHA", "0.1"))
+# after routing, the chosen pod is taken to hold the request's blocks this long (until its events)
+KVCACHE_SPECULATIVE_SECONDS = float(os.environ.get("KVCACHE_SPECULATIVE_SECONDS", "2.0"))
+# next pods tried after a connect error or a 5xx before the first byte
+KVCACHE_GATEWAY_RETRIES = int(os.environ.get("KVCACHE_GATEWAY_RETRIES", "2"))
 
 # --- replay of missed KV-event batches (ingest/replay.py, ingest/resync.py) ---------------------
 KVCACHE_REPLAY_TIMEOUT_SECONDS = float(os.environ.get("KVCACHE_REPLAY_TIMEOUT_SECONDS", "2.0"))

@@ -25,6 +25,14 @@ CORE = [
     "ingest.events",
     "ingest.applier",
     "ingest.pool",
+    "ingest.resync",
+    "ingest.replay",
+    "ingest.pipeline",
+    "scoring.epochs",
+    "gateway.app",
+    "gateway.policies",
+    "gateway.memory",
+    "gateway.load",
 ]
 
 
@@ -53,6 +61,16 @@ def test_scoring_never_imports_ingest():
     offenders = {
         str(path.relative_to(ROOT)): sorted(m for m in imports_of(path) if m.split(".")[0] == "ingest")
         for path in (ROOT / "scoring").rglob("*.py")
+    }
+    assert {path: mods for path, mods in offenders.items() if mods} == {}
+
+
+def test_lower_layers_never_import_the_gateway():
+    """The gateway builds on scoring (the read path, the index); nothing below imports it."""
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(m for m in imports_of(path) if m.split(".")[0] == "gateway")
+        for package in ("scoring", "ingest", "simulator", "dashboard")
+        for path in (ROOT / package).rglob("*.py")
     }
     assert {path: mods for path, mods in offenders.items() if mods} == {}
 

@@ -1,0 +1,434 @@
+"""The gateway as a plain ASGI application (no Django): an OpenAI endpoint in front of the fleet.
+
+``POST /v1/completions`` and ``/v1/chat/completions``: the request is tokenized once (the chat
+template too, with vLLM's default ``add_generation_prompt``), its block keys looked up in the
+index (plus speculative entries), the policy ranks the model's live pods, and the body goes to
+the first unchanged; the pod's answer comes back byte for byte, streamed chunk by chunk, with
+``x-kvcache-pod`` and ``x-kvcache-matched-blocks``. A connect error or a 5xx before the first
+byte sends it to the next pod (``retries`` more at most). A client that goes away closes the
+pod's request too. Tokenizing or the index failing never fails a request: it is routed on load
+alone and counted. ``GET /v1/models`` (the live pods' models and LoRA adapters), ``/health``,
+``/metrics``.
+
+Live pods: registered, enabled, not found down by the prober, with an address, serving the
+request's model (or the base model of the LoRA adapter it names).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway import metrics
+from gateway.load import LoadTracker
+from gateway.memory import KeyMemory
+from gateway.policies import DEFAULT_ALPHA, Candidate, make_policy
+from scoring.config import ServiceConfig, owner_pod
+from scoring.index import IndexUnavailable, KVIndex
+from scoring.read_path import ChatRequest, KeyedRequest, key_chat, key_prompt, key_token_ids, look_up
+from scoring.sandbox import TemplateSandbox
+from scoring.snapshot import ConfigSource
+from scoring.tokenization import TokenizerRegistry
+
+log = logging.getLogger(__name__)
+
+Scope = Mapping[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
+ROUTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    policy: str = "kv-load"
+    alpha: float = DEFAULT_ALPHA
+    speculative_seconds: float = 2.0
+    retries: int = 2
+    connect_timeout: float = 2.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    threads: int = 8
+    seed: int | None = None
+    allow_request_templates: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayHandles:
+    """How the gateway reaches the shared state (the Django shell's, or a test's)."""
+
+    config: ConfigSource
+    index: Callable[[], KVIndex]
+    tokenizers: Callable[[ServiceConfig], TokenizerRegistry]
+    sandbox: Callable[[], TemplateSandbox | None]
+
+
+class _Refused(Exception):
+    """A request answered by the gateway itself (an OpenAI-style error)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class GatewayApp:
+    def __init__(self, handles: GatewayHandles, settings: GatewaySettings) -> None:
+        self.handles = handles
+        self.settings = settings
+        self.policy = make_policy(settings.policy, rng=random.Random(settings.seed), alpha=settings.alpha)
+        self.speculative = KeyMemory(ttl=settings.speculative_seconds, max_keys=200_000)
+        self.memory = KeyMemory(ttl=None, max_keys=1_000_000)
+        self.load = LoadTracker()
+        self._executor = ThreadPoolExecutor(settings.threads, thread_name_prefix="gateway")
+        self._client: httpx.AsyncClient | None = None
+        self._scraper: asyncio.Task | None = None
+        self._config: ServiceConfig | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        timeout = httpx.Timeout(connect=self.settings.connect_timeout, read=None, write=30.0, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # identity unless the client asks: the pod's bytes go back as they are
+        self._client = httpx.AsyncClient(
+            timeout=timeout, limits=limits, headers={"accept-encoding": "identity"}, trust_env=False
+        )
+        self._scraper = asyncio.create_task(self.load.scrape_forever(self._client, self._addresses))
+
+    async def shutdown(self) -> None:
+        if self._scraper is not None:
+            self._scraper.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if self._client is None:  # served without a lifespan (some test servers)
+            await self.startup()
+        path, method = scope["path"], scope["method"]
+        try:
+            if path in ROUTED_PATHS:
+                if method != "POST":
+                    raise _Refused(405, f"{path} takes POST")
+                await self._route(scope, receive, send, ROUTED_PATHS[path])
+            elif path == "/v1/models" and method == "GET":
+                await _send_json(send, 200, await self._models())
+            elif path == "/health" and method == "GET":
+                await _send_json(send, 200, {"status": "ok"})
+            elif path == "/metrics" and method == "GET":
+                body, content_type = metrics.exposition()
+                await _send(send, 200, body, content_type.encode())
+            else:
+                raise _Refused(404, f"no route {method} {path}", "not_found_error")
+        except _Refused as refused:
+            await _send_error(send, refused.status, str(refused), refused.kind)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- routing -----------------------------------------------------------------------------
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        body = await _read_body(receive, self.settings.max_body_bytes)
+        received = time.perf_counter()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as error:
+            raise _Refused(400, f"the body is not JSON: {error}") from None
+        if not isinstance(payload, dict) or not isinstance(payload.get("model"), str):
+            raise _Refused(400, "the body must be a JSON object with a string 'model'")
+        config = await self.handles.config.aget()
+        self._config = config
+        model, lora = _base_model(config, payload["model"])
+        pods = _live_pods(config, model)
+        if not pods:
+            if model not in config.pods.values():
+                raise _Refused(404, f"no pod serves the model {payload['model']!r}", "not_found_error")
+            raise _Refused(
+                503, f"no live pod serves {payload['model']!r} (disabled, down or no address)", "unavailable"
+            )
+        keys, matched = await self._prefix(config, model, lora, kind, payload, pods)
+        now = time.monotonic()
+        candidates = [Candidate(pod, matched.get(pod, 0), self.load.of(pod, now=now)) for pod in pods]
+        ranked = self.policy.rank(candidates, blocks=len(keys))
+        await self._forward(scope, receive, send, body, ranked, pods, model, keys, received)
+
+    async def _prefix(
+        self,
+        config: ServiceConfig,
+        model: str,
+        lora: str | None,
+        kind: str,
+        payload: dict,
+        pods: Mapping[str, str],
+    ) -> tuple[list[int], dict[str, int]]:
+        """The request's block keys and, per pod, the leading blocks the policy's source says
+        it holds ({} when the policy needs none, or tokenizing or the index failed)."""
+        source = self.policy.source
+        if source == "none":
+            return [], {}
+        loop = asyncio.get_running_loop()
+        try:
+            keyed = await loop.run_in_executor(self._executor, self._key, config, model, lora, kind, payload)
+        except Exception as error:  # the pod will answer the request's own errors
+            metrics.SCORE_FAILURES.labels(type(error).__name__).inc()
+            log.debug("routing %s without its prefix: %s", model, error)
+            return [], {}
+        keys = keyed.keys
+        now = time.monotonic()
+        if source == "memory":
+            return keys, self.memory.matched(model, keys, now=now)
+        matched: dict[str, int] = {}
+        if keyed.needs_lookup:
+            keyed.wanted = frozenset(pods)
+            try:
+                result = await loop.run_in_executor(self._executor, self._look_up, keyed, config)
+            except IndexUnavailable:
+                metrics.SCORE_FAILURES.labels("index_unavailable").inc()
+            else:
+                for holder, score in result.scores.items():
+                    pod = owner_pod(holder)
+                    matched[pod] = max(matched.get(pod, 0), score.matched_blocks)
+        for pod, n in self.speculative.matched(model, keys, now=now).items():
+            matched[pod] = max(matched.get(pod, 0), n)
+        return keys, matched
+
+    def _key(
+        self, config: ServiceConfig, model: str, lora: str | None, kind: str, payload: dict
+    ) -> KeyedRequest:
+        tokenizers = self.handles.tokenizers(config)
+        if kind == "chat":
+            chat = ChatRequest(
+                messages=payload.get("messages"),
+                tools=payload.get("tools"),
+                documents=payload.get("documents"),
+                chat_template=payload.get("chat_template"),
+                chat_template_kwargs=payload.get("chat_template_kwargs"),
+                add_generation_prompt=payload.get("add_generation_prompt", True),  # vLLM's default
+                continue_final_message=payload.get("continue_final_message", False),
+            )
+            return key_chat(
+                tokenizers=tokenizers,
+                config=config,
+                model=model,
+                chat=chat,
+                lora_name=lora,
+                sandbox=self.handles.sandbox() if chat.chat_template is not None else None,
+                allow_request_templates=self.settings.allow_request_templates,
+            )
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch goes where its first prompt is warmest
+        if isinstance(prompt, str):
+            return key_prompt(
+                tokenizers=tokenizers, config=config, model=model, prompt=prompt, lora_name=lora
+            )
+        if isinstance(prompt, list):
+            return key_token_ids(config=config, model=model, token_ids=prompt, lora_name=lora)
+        raise TypeError("prompt is neither text nor token ids")
+
+    def _look_up(self, keyed: KeyedRequest, config: ServiceConfig):
+        return look_up(self.handles.index(), keyed, config=config)
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes,
+        ranked: list[Candidate],
+        pods: Mapping[str, str],
+        model: str,
+        keys: list[int],
+        received: float,
+    ) -> None:
+        policy = self.policy.name
+        assert self._client is not None
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
+        metrics.OVERHEAD.labels(policy).observe(time.perf_counter() - received)
+        problems = []
+        for attempt, candidate in enumerate(ranked[: 1 + self.settings.retries]):
+            if attempt:
+                metrics.RETRIES.labels(policy, problems[-1][0]).inc()
+            pod = candidate.pod
+            request = self._client.build_request(
+                "POST", f"http://{pods[pod]}{scope['path']}", content=body, headers=headers
+            )
+            self.load.start(pod)
+            try:
+                sent = time.perf_counter()
+                try:
+                    response = await self._client.send(request, stream=True)
+                except httpx.TransportError as error:
+                    problems.append(("connect", f"{pod}: {type(error).__name__}: {error}"))
+                    continue
+                if response.status_code >= 500:
+                    await response.aclose()
+                    problems.append(("status", f"{pod}: HTTP {response.status_code}"))
+                    continue
+                if self.policy.source == "index":
+                    self.speculative.record(model, keys, pod, now=time.monotonic())
+                elif self.policy.source == "memory":
+                    self.memory.record(model, keys, pod, now=time.monotonic())
+                metrics.MATCHED.labels(policy).inc(candidate.matched)
+                metrics.BLOCKS.labels(policy).inc(len(keys))
+                outcome = await self._relay(response, receive, send, candidate, sent)
+                metrics.REQUESTS.labels(policy, pod, outcome).inc()
+                return
+            finally:
+                self.load.finish(pod)
+        metrics.REQUESTS.labels(policy, "", "upstream_error").inc()
+        detail = "; ".join(message for _, message in problems) or "no pod to try"
+        await _send_error(send, 502, f"no pod answered: {detail}", "upstream_error")
+
+    async def _relay(
+        self, response: httpx.Response, receive: Receive, send: Send, candidate: Candidate, sent: float
+    ) -> str:
+        """The pod's response to the client as it comes; returns the outcome."""
+        headers = [
+            (k, v)
+            for k, v in response.headers.raw
+            if k.lower() not in HOP_BY_HOP or k.lower() == b"content-length"
+        ]
+        headers += [
+            (b"x-kvcache-pod", candidate.pod.encode()),
+            (b"x-kvcache-matched-blocks", str(candidate.matched).encode()),
+            (b"x-kvcache-policy", self.policy.name.encode()),
+        ]
+        policy = self.policy.name
+
+        async def pump() -> None:
+            first = True
+            async for chunk in response.aiter_raw():
+                if first:
+                    metrics.TTFT.labels(policy).observe(time.perf_counter() - sent)
+                    first = False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+            relay = asyncio.create_task(pump())
+            gone = asyncio.create_task(_disconnected(receive))
+            done, _ = await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if relay in done:
+                gone.cancel()
+                relay.result()
+                return "ok"
+            relay.cancel()  # the client left: closing the response closes the pod's request
+            return "client_gone"
+        except (httpx.HTTPError, OSError):
+            return "upstream_error"
+        finally:
+            await response.aclose()
+
+    # --- the rest ----------------------------------------------------------------------------
+
+    async def _models(self) -> dict:
+        config = await self.handles.config.aget()
+        served = sorted({m for m in config.pods.values() if _live_pods(config, m)})
+        ids = [*served, *(a for m in served for a in config.model(m).lora_adapters)]
+        return {
+            "object": "list",
+            "data": [{"id": i, "object": "model", "created": 0, "owned_by": "kvcache-gateway"} for i in ids],
+        }
+
+    def _addresses(self) -> dict[str, str]:
+        """Every live pod's address (the load scraper's targets)."""
+        config = self._config
+        if config is None:
+            return {}
+        return {
+            pod: address for m in set(config.pods.values()) for pod, address in _live_pods(config, m).items()
+        }
+
+
+def _base_model(config: ServiceConfig, name: str) -> tuple[str, str | None]:
+    """``(model, lora)``: a served model as it is, or a LoRA adapter's base model and its name."""
+    if name in config.pods.values():
+        return name, None
+    for model in set(config.pods.values()):
+        if name in config.model(model).lora_adapters:
+            return model, name
+    return name, None
+
+
+def _live_pods(config: ServiceConfig, model: str) -> dict[str, str]:
+    """pod -> address of the pods that may take a request for ``model``."""
+    unscored = config.unscored_pods
+    return {
+        pod: config.pod_addresses[pod]
+        for pod, served in config.pods.items()
+        if served == model and pod not in unscored and pod in config.pod_addresses
+    }
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Refused(499, "the client went away")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _Refused(413, f"the body is over {limit} bytes")
+        parts.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_json(send: Send, status: int, payload: Any) -> None:
+    await _send(send, status, orjson.dumps(payload), b"application/json")
+
+
+async def _send_error(send: Send, status: int, message: str, kind: str) -> None:
+    """OpenAI's error shape."""
+    await _send_json(send, status, {"error": {"message": message, "type": kind, "code": status}})

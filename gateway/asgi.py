@@ -1,0 +1,64 @@
+"""ASGI entry point of ``manage.py gateway``: the gateway core (``gateway.app``) with the Django
+shell's handles (registry snapshot, index, tokenizers, template sandbox) and settings. At start-up
+the registry's models' tokenizers are loaded, so no first request waits for one."""
+
+import asyncio
+import gc
+import logging
+import os
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvsite.settings")
+django.setup()
+
+from django.conf import settings  # noqa: E402
+
+from gateway.app import GatewayApp, GatewayHandles, GatewaySettings  # noqa: E402
+from scoring import runtime  # noqa: E402
+
+gateway = GatewayApp(
+    GatewayHandles(
+        config=runtime.config_source,
+        index=runtime.get_index,
+        tokenizers=runtime.get_tokenizers,
+        sandbox=runtime.get_sandbox,
+    ),
+    GatewaySettings(
+        policy=os.environ.get("KVCACHE_GATEWAY_POLICY_OVERRIDE") or settings.KVCACHE_GATEWAY_POLICY,
+        alpha=settings.KVCACHE_GATEWAY_ALPHA,
+        speculative_seconds=settings.KVCACHE_SPECULATIVE_SECONDS,
+        retries=settings.KVCACHE_GATEWAY_RETRIES,
+        max_body_bytes=settings.KVCACHE_MAX_BODY_BYTES,
+        threads=settings.KVCACHE_SCORING_THREADS,
+        allow_request_templates=settings.KVCACHE_REQUEST_TEMPLATES,
+    ),
+)
+
+
+async def application(scope, receive, send):
+    if scope["type"] == "lifespan":
+        await lifespan(receive, send)
+    else:
+        await gateway(scope, receive, send)
+
+
+async def lifespan(receive, send):
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                config = await runtime.config_source.aget()
+            except Exception as error:  # no database yet: the first request loads it
+                logging.getLogger(__name__).warning("registry snapshot not loaded at start-up: %s", error)
+            else:
+                await asyncio.get_running_loop().run_in_executor(None, runtime.warm_tokenizers, config)
+            await gateway.startup()
+            gc.collect()
+            gc.freeze()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await gateway.shutdown()
+            runtime.close_sandbox()
+            await send({"type": "lifespan.shutdown.complete"})
+            return

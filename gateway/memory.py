@@ -1,0 +1,71 @@
+"""What the gateway remembers of its own decisions, by block key: which pod it sent a prefix to.
+
+Two uses, one structure (``KeyMemory``):
+
+* **speculative entries** (``ttl`` seconds): right after routing, the chosen pod is taken to hold
+  the request's blocks until its engine's KV events arrive (they take a few hundred milliseconds:
+  a prefill, a publish, ingest). Without them a burst of one new prefix scatters over the fleet,
+  each request seeing an empty index;
+* the **approximate prefix tree** (no ttl): what routers without KV events do (vllm-router's and
+  sglang-router's ``cache_aware``): believe a prefix is where it was last sent, evicted only by
+  the memory's own bound. The ``approx-prefix`` policy routes on it alone, as a baseline.
+
+Bounded: at most ``max_keys`` (model, key) entries, least recently recorded out first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from scoring.keys import BlockKey
+
+
+class KeyMemory:
+    def __init__(self, *, ttl: float | None, max_keys: int = 1_000_000) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+        self.ttl = ttl
+        self.max_keys = max_keys
+        self._entries: OrderedDict[tuple[str, BlockKey], dict[str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, model: str, keys: Sequence[BlockKey], pod: str, *, now: float) -> None:
+        """``pod`` holds ``keys`` (a request's blocks, in order) as of ``now``."""
+        until = now + self.ttl if self.ttl is not None else float("inf")
+        with self._lock:
+            entries = self._entries
+            for key in keys:
+                ident = (model, key)
+                holders = entries.get(ident)
+                if holders is None:
+                    holders = entries[ident] = {}
+                else:
+                    entries.move_to_end(ident)
+                holders[pod] = until
+            while len(entries) > self.max_keys:
+                entries.popitem(last=False)
+
+    def matched(self, model: str, keys: Sequence[BlockKey], *, now: float) -> dict[str, int]:
+        """Per pod, how many leading ``keys`` it is remembered to hold (pods with none left out)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            entries = self._entries
+            alive: set[str] | None = None
+            for i, key in enumerate(keys):
+                holders = entries.get((model, key))
+                here = {p for p, until in holders.items() if until > now} if holders else set()
+                if alive is not None:
+                    for gone in alive - here:
+                        out[gone] = i
+                    here &= alive
+                if not here:
+                    return out
+                alive = here
+            for pod in alive or ():
+                out[pod] = len(keys)
+        return out

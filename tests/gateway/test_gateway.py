@@ -1,0 +1,318 @@
+"""The gateway over real sockets: simulated vLLM pods publishing KV events into a real ingest
+pipeline and index, the gateway under uvicorn in front of them, and a few hand-made upstreams
+for what the simulator does not do on purpose (fail, stream slowly, notice a client leaving)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
+from scoring.config import ServiceConfig
+from scoring.index import open_index
+from scoring.snapshot import ConfigSource
+from scoring.tokenization import TokenizerRegistry
+from simulator.config import EngineConfig, LatencyConfig, PodConfig
+from simulator.fleet import Fleet, FleetConfig, PublishConfig
+from simulator.pod import PodTokenizer
+from tests.ingest.conftest import Harness
+from tests.servers import wait_until
+
+MODEL = "Qwen/Qwen3-0.6B"
+SEED = "42"
+BLOCK = 16
+LONG = " ".join(f"word{i}" for i in range(400))  # ~100 blocks
+
+
+class Served:
+    """An ASGI app under uvicorn on a free port, in a thread with its own event loop."""
+
+    def __init__(self, app, *, lifespan: str = "on") -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, interface="asgi3", lifespan=lifespan, log_config=None, log_level="warning")
+        )
+        self.server.capture_signals = contextlib.nullcontext  # the test process keeps its signals
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, what="the server")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class System:
+    """Two simulated pods, ingest, an index, the registry snapshot, and gateways on demand."""
+
+    def __init__(self, tokenizer: PodTokenizer) -> None:
+        self.index = open_index("memory://")
+        self.harness = Harness(self.index, ServiceConfig(seed=SEED, default_block_size=BLOCK))
+        pod = PodConfig(
+            pod_id="sim-0",
+            model=MODEL,
+            engine=EngineConfig(block_size=BLOCK, kv_cache_size=2048, hash_seed=SEED),
+            latency=LatencyConfig(
+                prefill_overhead_ms=1, prefill_time_per_token_ms=0, inter_token_latency_ms=2
+            ),
+        )
+        self.fleet = Fleet(
+            FleetConfig(pod=pod, pods=2, base_port=0, publish=PublishConfig(endpoint=self.harness.endpoint)),
+            tokenizer=tokenizer,
+            graceful_timeout=0.5,
+        )
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.fleet.start(), self.loop).result(30)
+        self.addresses = {p.pod_id: p.url.removeprefix("http://") for p in self.fleet.pods}
+        self.extra: dict[str, str] = {}  # more pods: pod -> address
+        self.gateways: list[Served] = []
+        self.tokenizers = TokenizerRegistry()
+
+    def config(self) -> ServiceConfig:
+        addresses = {**self.addresses, **self.extra}
+        return ServiceConfig(
+            seed=SEED,
+            default_block_size=BLOCK,
+            pods={pod: MODEL for pod in addresses},
+            pod_addresses=addresses,
+        )
+
+    def gateway(self, **settings) -> str:
+        app = GatewayApp(
+            GatewayHandles(
+                config=ConfigSource(self.config, max_age=0.0),
+                index=lambda: self.index,
+                tokenizers=lambda _config: self.tokenizers,
+                sandbox=lambda: None,
+            ),
+            GatewaySettings(seed=7, **settings),
+        )
+        served = Served(app)
+        self.gateways.append(served)
+        return served.url
+
+    def applied(self) -> None:
+        """Wait until ingest has applied everything the pods published."""
+        for p in self.fleet.pods:
+            last = p.publishers[0].next_seq - 1
+            if last >= 0:
+                wait_until(
+                    lambda pod=p.pod_id, last=last: (
+                        self.index.progress(model=MODEL).get((MODEL, pod)) == last
+                    ),
+                    what=f"{p.pod_id}'s events",
+                )
+
+    def close(self) -> None:
+        for served in self.gateways:
+            served.stop()
+        asyncio.run_coroutine_threadsafe(self.fleet.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.harness.close()
+        self.index.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PodTokenizer:
+    return PodTokenizer(TokenizerRegistry(), MODEL)
+
+
+@pytest.fixture
+def system(tokenizer) -> Iterator[System]:
+    s = System(tokenizer)
+    # ZeroMQ drops what a PUB sends before the subscription is through: poke until heard.
+    with httpx.Client(timeout=30) as client:
+        for pod, address in s.addresses.items():
+
+            def heard(address=address, pod=pod) -> bool:
+                client.post(f"http://{address}/v1/completions", json={"model": MODEL, "prompt": "hi " * 40})
+                return any(st.pod == pod for st in s.harness.stats.streams())
+
+            wait_until(heard, what=f"{pod}'s events")
+            client.post(f"http://{address}/reset_prefix_cache")
+    s.applied()
+    yield s
+    s.close()
+
+
+def complete(url: str, prompt: str, **extra) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}, timeout=30
+    )
+
+
+def test_a_prompt_goes_back_to_the_pod_that_holds_its_prefix(system: System) -> None:
+    url = system.gateway(speculative_seconds=0.0)  # the index alone decides
+    first = complete(url, LONG)
+    assert first.status_code == 200
+    pod = first.headers["x-kvcache-pod"]
+    assert first.headers["x-kvcache-matched-blocks"] == "0"
+    system.applied()
+    for _ in range(3):
+        again = complete(url, LONG + " and then something else")
+        assert again.headers["x-kvcache-pod"] == pod
+        assert int(again.headers["x-kvcache-matched-blocks"]) >= 20
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_chat_is_templated_as_the_pod_does_and_routed_by_its_prefix(system: System) -> None:
+    url = system.gateway(speculative_seconds=0.0)
+    messages = [{"role": "system", "content": LONG}, {"role": "user", "content": "hello"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    first = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert first.status_code == 200
+    system.applied()
+    second = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert second.headers["x-kvcache-pod"] == first.headers["x-kvcache-pod"]
+    # every full block the gateway counted is one the pod then reported cached
+    matched = int(second.headers["x-kvcache-matched-blocks"])
+    assert matched > 0
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (matched - 1) * BLOCK
+
+
+def test_speculative_entries_keep_a_burst_together_then_expire(system: System) -> None:
+    system.harness.pipeline.receiver.stop()  # no KV events reach the index from now on
+    url = system.gateway(speculative_seconds=0.5)
+    pods = {complete(url, LONG).headers["x-kvcache-pod"] for _ in range(4)}
+    assert len(pods) == 1
+    assert int(complete(url, LONG).headers["x-kvcache-matched-blocks"]) > 0
+    time.sleep(0.6)
+    assert complete(url, LONG).headers["x-kvcache-matched-blocks"] == "0"
+
+
+def test_load_breaks_ties_and_spreads_a_burst_without_prefixes(system: System) -> None:
+    url = system.gateway(policy="least-loaded")
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 40}
+            responses = await asyncio.gather(
+                *(client.post(f"{url}/v1/completions", json=body) for _ in range(6))
+            )
+        return [r.headers["x-kvcache-pod"] for r in responses]
+
+    pods = asyncio.run(burst())
+    assert sorted(pods.count(p) for p in set(pods)) == [3, 3]
+
+
+def test_a_dead_pod_is_skipped_for_the_next(system: System) -> None:
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    system.extra["a-dead-pod"] = f"127.0.0.1:{dead.getsockname()[1]}"  # nothing listens
+    dead.close()
+    url = system.gateway(policy="round-robin")  # ranks pods by name: the dead one comes first
+    response = complete(url, "hello")
+    assert response.status_code == 200
+    assert response.headers["x-kvcache-pod"] in system.addresses
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'kvcache_gateway_retries_total{policy="round-robin",reason="connect"} 1.0' in metrics
+
+
+async def _upstream(
+    scope, receive, send, *, chunks: list[bytes], status: int = 200, delay: float = 0.0, left=None
+):
+    """A pod that answers ``chunks``, ``delay`` apart; ``left`` is set when its client leaves."""
+    while (await receive()).get("more_body"):
+        pass
+    watch = asyncio.ensure_future(receive())
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
+    for chunk in chunks:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await asyncio.sleep(delay)
+        if watch.done() and watch.result()["type"] == "http.disconnect":
+            if left is not None:
+                left.set()
+            return
+    await send({"type": "http.response.body", "body": b""})
+    watch.cancel()
+
+
+def test_streams_pass_through_byte_for_byte_as_they_come(system: System) -> None:
+    chunks = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9"}\n\n', b"data: [DONE]\n\n"]
+    upstream = Served(lambda s, r, w: _upstream(s, r, w, chunks=chunks, delay=0.3), lifespan="off")
+    system.gateways.append(upstream)
+    system.addresses.clear()
+    system.extra["stub"] = upstream.address
+    url = system.gateway(policy="random")
+    arrived = []
+    started = time.monotonic()
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
+    ) as r:
+        assert r.headers["x-kvcache-pod"] == "stub"
+        for chunk in r.iter_raw():
+            arrived.append((time.monotonic() - started, chunk))
+    assert b"".join(c for _, c in arrived) == b"".join(chunks)
+    assert arrived[0][0] < 0.25  # the first chunk came before the upstream sent the second
+
+
+def test_a_client_that_leaves_closes_the_pods_request(system: System) -> None:
+    left = threading.Event()
+
+    async def slow(scope, receive, send):
+        await _upstream(scope, receive, send, chunks=[b"data: x\n\n"] * 100, delay=0.1, left=_Flag(left))
+
+    upstream = Served(slow, lifespan="off")
+    system.gateways.append(upstream)
+    system.addresses.clear()
+    system.extra["stub"] = upstream.address
+    url = system.gateway(policy="random")
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
+    ) as r:
+        next(r.iter_raw())
+    assert left.wait(5), "the upstream never saw the client leave"
+
+
+class _Flag:
+    """An asyncio-side handle to a threading.Event."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def set(self) -> None:
+        self.event.set()
+
+
+def test_a_5xx_before_the_first_byte_goes_to_the_next_pod(system: System) -> None:
+    failing = Served(lambda s, r, w: _upstream(s, r, w, chunks=[b"overloaded"], status=503), lifespan="off")
+    system.gateways.append(failing)
+    system.extra["a-failing"] = failing.address
+    url = system.gateway(policy="round-robin")
+    response = complete(url, "hello")
+    assert response.status_code == 200
+    assert response.headers["x-kvcache-pod"] in system.addresses
+
+
+def test_models_errors_and_unknown_models(system: System) -> None:
+    url = system.gateway()
+    models = httpx.get(f"{url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    unknown = complete(url, "hi", model="no/such-model")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["type"] == "not_found_error"
+    bad = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=10)
+    assert (bad.status_code, bad.json()["error"]["code"]) == (400, 400)
+    assert httpx.get(f"{url}/v1/completions").status_code == 405
