@@ -198,14 +198,16 @@ class ShardPool:
                 if stopping:
                     return
                 continue
+            done = 0
             for _ in range(len(jobs)):
                 job = jobs.popleft()
-                self._in_jobs[worker] -= self._turn(worker, handler, job)
+                done += self._turn(worker, handler, job)
                 if job.items:
                     jobs.append(job)
                 else:
                     del by_pod[job.pod]
             self._retrying(worker, handler.flush, "the last round")
+            self._in_jobs[worker] -= done  # handled once written: join_idle waits for the flush
 
     def _turn(self, worker: int, handler: Handler, job: _Job) -> int:
         """The job's turn in a round: steps of its oldest messages until one yields (its slice
