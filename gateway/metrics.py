@@ -7,7 +7,6 @@ import os
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    REGISTRY,
     CollectorRegistry,
     Counter,
     Histogram,
@@ -18,38 +17,49 @@ from prometheus_client import (
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
+REGISTRY = CollectorRegistry()
+"""The gateway's own (the default registry of a Django process holds the web's collectors)."""
+
 REQUESTS = Counter(
     "kvcache_gateway_requests",
     "Requests routed, by policy, pod and outcome (ok, upstream_error, no_pod, client_gone).",
     ["policy", "pod", "outcome"],
+    registry=REGISTRY,
 )
 RETRIES = Counter(
     "kvcache_gateway_retries",
     "Requests sent to a next pod after a connect error or a 5xx before the first byte.",
     ["policy", "reason"],
+    registry=REGISTRY,
 )
 MATCHED = Counter(
     "kvcache_gateway_matched_blocks",
     "Blocks of routed requests the chosen pod was known to hold (index or speculative).",
     ["policy"],
+    registry=REGISTRY,
 )
-BLOCKS = Counter("kvcache_gateway_request_blocks", "Full blocks of routed requests.", ["policy"])
+BLOCKS = Counter(
+    "kvcache_gateway_request_blocks", "Full blocks of routed requests.", ["policy"], registry=REGISTRY
+)
 SCORE_FAILURES = Counter(
     "kvcache_gateway_score_failures",
     "Requests routed without prefix knowledge: tokenizing or the index failed, by reason.",
     ["reason"],
+    registry=REGISTRY,
 )
 TTFT = Histogram(
     "kvcache_gateway_upstream_ttft_seconds",
     "From sending a request to the pod until its first response byte.",
     ["policy"],
     buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 OVERHEAD = Histogram(
     "kvcache_gateway_overhead_seconds",
     "The gateway's own time per request: from receiving it whole to sending it to a pod.",
     ["policy"],
     buckets=OVERHEAD_BUCKETS,
+    registry=REGISTRY,
 )
 
 
