@@ -1,4 +1,5 @@
-"""The HTTP side of loadgen: stream one OpenAI completion, ask for scores, read pod metrics.
+"""The HTTP side of loadgen: send one OpenAI completion (streamed or not), ask for scores, read
+pod metrics.
 
 Failures are values, not exceptions: a completion that fails comes back as a
 :class:`Completion` with ``ok`` False and an ``error`` that says what happened (HTTP status and
@@ -28,6 +29,11 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+
+# Response headers of a router in front of the fleet (our gateway sets them): the pod that
+# served the request and the blocks of its prompt that the index predicted that pod holds.
+POD_HEADER = "x-kvcache-pod"
+MATCHED_BLOCKS_HEADER = "x-kvcache-matched-blocks"
 
 
 class SSEDecoder:
@@ -101,8 +107,11 @@ def error_message(status: int, raw: bytes) -> str:
 
 @dataclass(frozen=True)
 class Completion:
-    """One streamed completion as the client saw it. Times in seconds from sending the request:
-    ``ttft`` to the first chunk carrying generated text, ``e2e`` to ``data: [DONE]``."""
+    """One completion as the client saw it. Times in seconds from sending the request: ``ttft``
+    to the first chunk carrying generated text (None when not streamed: no first chunk to see),
+    ``e2e`` to ``data: [DONE]`` or to the whole JSON answer. ``pod`` and ``matched_blocks`` are
+    what the response headers said (:data:`POD_HEADER`, :data:`MATCHED_BLOCKS_HEADER`), None
+    without them."""
 
     ok: bool
     status: int | None
@@ -113,6 +122,38 @@ class Completion:
     cached_tokens: int | None
     text: str
     error: str | None = None
+    pod: str | None = None
+    matched_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class ServedBy:
+    """Who served a response, by its headers; None for what a header did not say (or said
+    unreadably: a matched-blocks value that is not a non-negative integer)."""
+
+    pod: str | None = None
+    matched_blocks: int | None = None
+
+    @classmethod
+    def from_headers(cls, headers: httpx.Headers) -> ServedBy:
+        pod = headers.get(POD_HEADER, "").strip() or None
+        raw = headers.get(MATCHED_BLOCKS_HEADER, "").strip()
+        matched = int(raw) if raw.isdigit() else None
+        return cls(pod=pod, matched_blocks=matched)
+
+
+async def send_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Completion:
+    """POST ``body`` to ``url``: read the SSE stream to ``[DONE]`` when ``body["stream"]`` is
+    set, else the one JSON answer."""
+    if body.get("stream"):
+        return await stream_completion(client, url, body, clock=clock)
+    return await fetch_completion(client, url, body, clock=clock)
 
 
 async def stream_completion(
@@ -131,6 +172,7 @@ async def stream_completion(
     parts: list[str] = []
     usage: dict | None = None
     status: int | None = None
+    served = ServedBy()
 
     def failed(error: str) -> Completion:
         return Completion(
@@ -143,18 +185,24 @@ async def stream_completion(
             cached_tokens=None,
             text="".join(parts),
             error=error,
+            pod=served.pod,
+            matched_blocks=served.matched_blocks,
         )
+
+    def finished() -> Completion:
+        return _finished(status, ttft, clock() - start, "".join(parts), len(parts), usage, served)
 
     try:
         async with client.stream("POST", url, json=body) as response:
             status = response.status_code
+            served = ServedBy.from_headers(response.headers)
             if status != 200:
                 return failed(error_message(status, await response.aread()))
             decoder = SSEDecoder()
             async for raw in response.aiter_bytes():
                 for data in decoder.feed(raw):
                     if data == DONE:
-                        return _finished(status, ttft, clock() - start, parts, usage)
+                        return finished()
                     try:
                         chunk = json.loads(data)
                     except ValueError:
@@ -171,7 +219,7 @@ async def stream_completion(
                         usage = chunk["usage"]
             for data in decoder.close():
                 if data == DONE:
-                    return _finished(status, ttft, clock() - start, parts, usage)
+                    return finished()
             return failed("stream ended before [DONE]")
     except httpx.HTTPError as e:
         return failed(f"{type(e).__name__}: {e}".rstrip(": "))
@@ -179,8 +227,62 @@ async def stream_completion(
         return failed(f"SSE data is not UTF-8: {e}")
 
 
+async def fetch_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Completion:
+    """POST ``body`` (``stream`` false) to ``url`` and read the one JSON answer; ``ttft`` is
+    None. Output tokens come from its usage, else 1 if it has any text (a lower bound)."""
+    start = clock()
+    status: int | None = None
+    served = ServedBy()
+
+    def failed(error: str) -> Completion:
+        return Completion(
+            ok=False,
+            status=status,
+            ttft=None,
+            e2e=clock() - start,
+            output_tokens=0,
+            prompt_tokens=None,
+            cached_tokens=None,
+            text="",
+            error=error,
+            pod=served.pod,
+            matched_blocks=served.matched_blocks,
+        )
+
+    try:
+        response = await client.post(url, json=body)
+    except httpx.HTTPError as e:
+        return failed(f"{type(e).__name__}: {e}".rstrip(": "))
+    status = response.status_code
+    served = ServedBy.from_headers(response.headers)
+    if status != 200:
+        return failed(error_message(status, response.content))
+    try:
+        answer = response.json()
+        choice = answer["choices"][0]
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return failed(f"unexpected completion answer: {response.text[:80]!r}")
+    text = text if isinstance(text, str) else ""
+    usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
+    return _finished(status, None, clock() - start, text, int(bool(text)), usage, served)
+
+
 def _finished(
-    status: int, ttft: float | None, e2e: float, parts: list[str], usage: dict | None
+    status: int | None,
+    ttft: float | None,
+    e2e: float,
+    text: str,
+    chunks: int,
+    usage: dict | None,
+    served: ServedBy,
 ) -> Completion:
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
@@ -189,10 +291,12 @@ def _finished(
         status=status,
         ttft=ttft,
         e2e=e2e,
-        output_tokens=int(usage.get("completion_tokens", len(parts))),
+        output_tokens=int(usage.get("completion_tokens", chunks)),
         prompt_tokens=usage.get("prompt_tokens"),
         cached_tokens=details.get("cached_tokens"),
-        text="".join(parts),
+        text=text,
+        pod=served.pod,
+        matched_blocks=served.matched_blocks,
     )
 
 

@@ -10,7 +10,9 @@ Definitions (the summary's keys):
 - ``fleet_hit_rate``: sum over pods of the growth of ``vllm:prefix_cache_hits_total`` divided
   by the growth of ``vllm:prefix_cache_queries_total`` between the scrapes before and after the
   run (tokens). Pods that did not answer both scrapes are left out (``metrics_pods`` says how
-  many counted); None when no pod counted or nothing was queried.
+  many counted); None when no pod counted or nothing was queried. ``fleet_prefix_hits`` /
+  ``fleet_prefix_queries`` are None (unknown, not 0) when no pod counted, e.g. a ``--target``
+  run given no pods.
 - ``usage_hit_rate``: the same from the responses, cached_tokens / prompt_tokens.
 - ``oracle_hit_rate_est``: what a router with perfect knowledge and unbounded caches could reach,
   estimated on prompt text: each prompt's longest prefix (in whole 64-character chunks, the
@@ -20,6 +22,19 @@ Definitions (the summary's keys):
   (made for every router unless score observation is off) plus the choice.
 - ``best_score_share``: among requests whose scores were known and where some pod scored above 0,
   the share sent to a pod with the highest score (``best_score_requests`` is that denominator).
+  In a ``--target`` run the pod is the one the response named (``x-kvcache-pod``).
+- ``target``: the URL every request went to (``--target``), None when loadgen routed. ``router``
+  is then the run's label (``--label``, else ``target:<url>``).
+- ``pod_source``: where a request's pod comes from: ``"router"`` (loadgen chose it) or
+  ``"header"`` (the target named it in ``x-kvcache-pod``).
+- ``pod_requests``: requests per pod, known pods only; ``pod_unknown_requests``: requests whose
+  pod is unknown (a target that sent no ``x-kvcache-pod``); always 0 when loadgen routed.
+- ``predicted_cached_tokens`` / ``reported_cached_tokens``: over the successful requests whose
+  response had an ``x-kvcache-matched-blocks`` header and usage with ``cached_tokens``
+  (``predicted_requests`` of them): the tokens the router's index predicted the pod holds
+  (matched blocks x ``block_size``, less the last block when that covers the whole prompt: vLLM
+  always computes one prompt token) and the tokens the pod reported cached; None when no request
+  qualified. ``predicted_exact_share``: the share of those requests where the two are equal.
 """
 
 from __future__ import annotations
@@ -39,12 +54,14 @@ from simulator.loadgen.client import PREFIX_HITS, PREFIX_QUERIES
 @dataclass(frozen=True)
 class RequestRecord:
     """One request of a run. Times in seconds; ``sent_at`` / ``done_at`` from the run's start.
-    ``best_score`` is None when the scores were unknown or every pod scored 0."""
+    ``best_score`` is None when the scores were unknown or every pod scored 0. ``pod`` is None
+    when unknown (a target that did not name it); ``matched_blocks`` is what the target's
+    ``x-kvcache-matched-blocks`` header said, None without one."""
 
     seq: int
     session: str
     turn: int
-    pod: str
+    pod: str | None
     ok: bool
     error: str | None
     ttft: float | None
@@ -56,11 +73,13 @@ class RequestRecord:
     best_score: bool | None
     sent_at: float
     done_at: float
+    matched_blocks: int | None = None
 
 
 @dataclass
 class StepResult:
-    """One run: one router at one QPS, everything needed for its summary."""
+    """One run: one router (or one target) at one QPS, everything needed for its summary.
+    ``block_size`` (tokens) turns a target's matched blocks into predicted cached tokens."""
 
     router: str
     qps: float
@@ -73,6 +92,8 @@ class StepResult:
     oracle_hit_chars: int = 0
     oracle_total_chars: int = 0
     notes: list[str] = field(default_factory=list)
+    target: str | None = None
+    block_size: int = 16
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -107,6 +128,16 @@ def fleet_hit_rate(
         queries += end[PREFIX_QUERIES] - start.get(PREFIX_QUERIES, 0.0)
     rate = hits / queries if queries > 0 else None
     return rate, hits, queries, counted
+
+
+def predicted_cached_tokens(*, matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """The ``cached_tokens`` a vLLM pod reports for a prompt of which it holds ``matched_blocks``
+    leading blocks: whole blocks only, and never the whole prompt (vLLM computes at least one
+    prompt token, so a fully cached prompt loses its last block)."""
+    tokens = matched_blocks * block_size
+    if tokens >= prompt_tokens:
+        tokens = max(0, (prompt_tokens - 1) // block_size * block_size)
+    return tokens
 
 
 class OracleEstimate:
@@ -162,6 +193,16 @@ def summarize(step: StepResult) -> dict:
     prompt_tokens = sum(r.prompt_tokens for r in ok if r.prompt_tokens is not None)
     cached_tokens = sum(r.cached_tokens or 0 for r in ok if r.prompt_tokens is not None)
     judged = [r.best_score for r in records if r.best_score is not None]
+    compared = [
+        (
+            predicted_cached_tokens(
+                matched_blocks=r.matched_blocks, block_size=step.block_size, prompt_tokens=r.prompt_tokens
+            ),
+            r.cached_tokens,
+        )
+        for r in ok
+        if r.matched_blocks is not None and r.prompt_tokens is not None and r.cached_tokens is not None
+    ]
     return {
         "router": step.router,
         "qps": step.qps,
@@ -174,8 +215,8 @@ def summarize(step: StepResult) -> dict:
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / span if span > 0 else None,
         "fleet_hit_rate": hit_rate,
-        "fleet_prefix_hits": hits,
-        "fleet_prefix_queries": queries,
+        "fleet_prefix_hits": hits if counted else None,
+        "fleet_prefix_queries": queries if counted else None,
         "metrics_pods": counted,
         "usage_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
         "oracle_hit_rate_est": (
@@ -187,7 +228,14 @@ def summarize(step: StepResult) -> dict:
         "score_failures": step.score_failures,
         "score_fallbacks": step.fallbacks,
         "route_ms": percentiles([1000 * r.route_s for r in records], (50, 99)),
-        "pod_requests": dict(sorted(Counter(r.pod for r in records).items())),
+        "target": step.target,
+        "pod_source": "header" if step.target is not None else "router",
+        "pod_requests": dict(sorted(Counter(r.pod for r in records if r.pod is not None).items())),
+        "pod_unknown_requests": sum(r.pod is None for r in records),
+        "predicted_cached_tokens": sum(p for p, _ in compared) if compared else None,
+        "reported_cached_tokens": sum(c for _, c in compared) if compared else None,
+        "predicted_requests": len(compared),
+        "predicted_exact_share": sum(p == c for p, c in compared) / len(compared) if compared else None,
         "errors": dict(Counter(r.error for r in records if r.error).most_common(5)),
         "notes": list(step.notes),
     }
@@ -245,6 +293,26 @@ def render_table(summaries: list[dict]) -> str:
 
     rule = "-" * len(line(header))
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def pod_lines(summary: dict) -> list[str]:
+    """What a target run says about its pods, for people: the requests per pod (``"pods: sim-0
+    12, sim-1 8, unknown 3"``) and, when the target predicted cached tokens, those against what
+    the pods reported. Nothing for a run loadgen routed (its pods are its own choice)."""
+    if summary.get("pod_source") != "header":
+        return []
+    counts = [f"{pod} {n}" for pod, n in summary["pod_requests"].items()]
+    if summary["pod_unknown_requests"]:
+        counts.append(f"unknown {summary['pod_unknown_requests']}")
+    lines = [f"pods: {', '.join(counts) or 'no requests'}"]
+    if summary["predicted_requests"]:
+        lines.append(
+            f"cached tokens: {summary['predicted_cached_tokens']:,} predicted, "
+            f"{summary['reported_cached_tokens']:,} reported "
+            f"({100 * summary['predicted_exact_share']:.1f}% of {summary['predicted_requests']} "
+            "requests exact)"
+        )
+    return lines
 
 
 def machine() -> dict:

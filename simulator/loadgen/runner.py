@@ -10,6 +10,13 @@ the scoring service for scores (kv routers need them; for the others they are fe
 before sending, to measure how often the chosen pod was the best one), choose the pod, stream
 the completion. TTFT and end-to-end latency are measured from sending to the pod, so routing
 time (``route_ms`` in the report) is counted separately.
+
+With a *target* (``LoadgenConfig.target``: our gateway, or a peer router) loadgen does not
+route: every request goes to the target's OpenAI endpoint, and a step is that target at one QPS,
+named by ``label``. The pod that served a request is the one the response names in its
+``x-kvcache-pod`` header, unknown without it. The pods, when given, are still what loadgen
+resets and scrapes (fleet hit rate) and what the observed scores are asked about; without pods
+those figures are unknown.
 """
 
 from __future__ import annotations
@@ -19,13 +26,13 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
 
-from simulator.loadgen.client import fetch_scores, reset_prefix_cache, scrape_fleet, stream_completion
+from simulator.loadgen.client import fetch_scores, reset_prefix_cache, scrape_fleet, send_completion
 from simulator.loadgen.report import OracleEstimate, RequestRecord, StepResult
 from simulator.loadgen.routers import (
     DEFAULT_ALPHA,
@@ -62,9 +69,14 @@ class LoadgenConfig:
 
     ``pods`` maps pod id -> base URL (``http://host:port``, no path). ``concurrency`` caps
     requests in flight from loadgen; arrivals beyond it wait (that wait is not in TTFT).
+    ``target`` (a base URL, see :func:`parse_target`) sends every request there instead of to a
+    pod loadgen chooses; ``pods`` are then optional and ``label`` names the runs (default
+    ``target:<url>``). ``stream`` False asks for one JSON answer per request (no TTFT then).
+    ``block_size`` (tokens per KV block) turns a target's ``x-kvcache-matched-blocks`` into
+    predicted cached tokens.
     """
 
-    pods: dict[str, str]
+    pods: dict[str, str] = field(default_factory=dict)
     model: str = DEFAULT_MODEL
     chat: bool = True
     max_tokens: int = 64
@@ -79,12 +91,20 @@ class LoadgenConfig:
     reset_prefix_cache: bool = True
     settle: float = 1.0
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    target: str | None = None
+    label: str | None = None
+    stream: bool = True
+    block_size: int = 16
 
     def __post_init__(self) -> None:
-        if not self.pods:
+        if not self.pods and self.target is None:
             raise ValueError("no pods: give a base URL and a pod count, or pods one by one")
-        if self.concurrency < 1 or self.max_tokens < 1:
-            raise ValueError("concurrency and max_tokens must be at least 1")
+        if self.target is not None:
+            object.__setattr__(self, "target", parse_target(self.target))  # frozen: normalise once
+        if self.label is not None and (self.target is None or not self.label.strip()):
+            raise ValueError("a label names a target's runs: give it with a target, not empty")
+        if self.concurrency < 1 or self.max_tokens < 1 or self.block_size < 1:
+            raise ValueError("concurrency, max_tokens and block_size must be at least 1")
 
     def describe(self) -> dict:
         """The configuration for a results file (the API key left out)."""
@@ -92,9 +112,18 @@ class LoadgenConfig:
         described["api_key"] = "set" if self.api_key else None
         return described
 
-    def endpoint(self, pod: str) -> str:
+    @property
+    def target_name(self) -> str | None:
+        """What reports call a target's runs: the label, else ``target:<url>``; None without one."""
+        if self.target is None:
+            return None
+        return self.label or f"target:{self.target}"
+
+    def endpoint(self, pod: str | None = None) -> str:
+        """The completions URL: the target's when there is one (``pod`` is ignored), else the pod's."""
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
-        return f"{self.pods[pod]}{path}"
+        base = self.target if self.target is not None else self.pods[pod]
+        return f"{base}{path}"
 
 
 def fleet_from_base(base_url: str, count: int) -> dict[str, str]:
@@ -114,6 +143,25 @@ def parse_pod(option: str) -> tuple[str, str]:
     if not sep or not pod.strip() or not urlsplit(url.strip()).scheme:
         raise ValueError(f"{option!r}: expected POD=URL, e.g. sim-0=http://127.0.0.1:8100")
     return pod.strip(), url.strip().rstrip("/")
+
+
+def parse_target(option: str) -> str:
+    """``"http://127.0.0.1:8200/"`` -> ``"http://127.0.0.1:8200"``: the base URL of an
+    OpenAI-compatible server, to which loadgen appends ``/v1/completions`` or
+    ``/v1/chat/completions``. A path prefix is kept; one that already ends in ``/v1`` is refused,
+    as the endpoint would be ``/v1/v1/...``."""
+    url = option.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{option!r}: expected an http(s) base URL, e.g. http://127.0.0.1:8200")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{option!r}: a target is a base URL, without ?query or #fragment")
+    if parts.path.endswith(("/v1", "/completions")):
+        raise ValueError(
+            f"{option!r}: give the base URL without /v1 (loadgen appends /v1/chat/completions "
+            "or /v1/completions)"
+        )
+    return url
 
 
 def parse_qps(option: str) -> list[float]:
@@ -147,15 +195,17 @@ class _Session:
 async def run_step(
     config: LoadgenConfig,
     *,
-    router: str,
+    router: str | None = None,
     qps: float,
     requests: int | None = None,
     duration: float | None = None,
     progress: Progress | None = None,
 ) -> StepResult:
-    """One router at one QPS. Stops issuing after ``requests`` requests or ``duration``
-    seconds (whichever first; one pass of the workload when neither is given), then waits for
-    the requests in flight."""
+    """One router (or, with ``config.target``, the target; then no ``router``) at one QPS.
+    Stops issuing after ``requests`` requests or ``duration`` seconds (whichever first; one pass
+    of the workload when neither is given), then waits for the requests in flight."""
+    if (router is None) == (config.target is None):
+        raise ValueError("give a router, or a target in the config, not both or neither")
     if requests is None and duration is None:
         requests = config.workload.requests_per_pass
     if requests is None and math.isinf(qps):
@@ -164,7 +214,9 @@ async def run_step(
     timeout = httpx.Timeout(config.timeout, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         notes: list[str] = []
-        if config.reset_prefix_cache:
+        if not config.pods:
+            notes.append("no pods given: prefix caches not reset, fleet hit rate unknown")
+        elif config.reset_prefix_cache:
             refused = await reset_prefix_cache(client, config.pods)
             if refused:
                 notes.append(f"prefix cache not reset on {', '.join(refused)}")
@@ -176,10 +228,10 @@ async def run_step(
     silent = [pod for pod in config.pods if before[pod] is None or after[pod] is None]
     if silent:
         notes.append(f"no /metrics from {', '.join(silent)}")
-    if isinstance(run.router, KVRouter) and run.router.last_error:
-        notes.append(f"last score error: {run.router.last_error}")
+    if run.score_error:
+        notes.append(f"last score error: {run.score_error}")
     return StepResult(
-        router=router,
+        router=run.name,
         qps=qps,
         records=sorted(run.records, key=lambda r: r.seq),
         metrics_before=before,
@@ -190,26 +242,38 @@ async def run_step(
         oracle_hit_chars=run.oracle.hit_chars,
         oracle_total_chars=run.oracle.total_chars,
         notes=notes,
+        target=config.target,
+        block_size=config.block_size,
     )
 
 
 class _Run:
     """The state of one step while it runs."""
 
-    def __init__(self, config: LoadgenConfig, client: httpx.AsyncClient, router: str) -> None:
+    def __init__(self, config: LoadgenConfig, client: httpx.AsyncClient, router: str | None) -> None:
         self.config = config
         self.client = client
         self.pods = list(config.pods)
         self.in_flight = InFlight(self.pods)
         self.lookup = ScoreLookup(self._fetch_scores)
-        self.router = make_router(
-            router,
-            pods=self.pods,
-            lookup=self.lookup,
-            in_flight=self.in_flight,
-            rng=random.Random(f"{config.seed}/router/{router}"),
-            alpha=config.alpha,
+        # No router with a target: the target routes, and names the pod in its answer.
+        self.router = (
+            None
+            if router is None
+            else make_router(
+                router,
+                pods=self.pods,
+                lookup=self.lookup,
+                in_flight=self.in_flight,
+                rng=random.Random(f"{config.seed}/router/{router}"),
+                alpha=config.alpha,
+            )
         )
+        self.name = router if router is not None else config.target_name
+        # Scores are observed (not needed to route) for non-kv routers, and for a target when
+        # there are pods to ask about.
+        self.observe = config.observe_scores and not isinstance(self.router, KVRouter) and bool(self.pods)
+        self.observe_error: str | None = None
         self.slots = asyncio.Semaphore(config.concurrency)
         self.sessions: dict[str, _Session] = {}
         self.oracle = OracleEstimate()
@@ -280,24 +344,35 @@ class _Run:
             chat=config.chat,
             conversation=session.conversation,
             user=turn.user,
+            stream=config.stream,
         )
         request = RouteRequest(id=turn.seq, score_query=score_query(body, self.pods))
         routing = time.perf_counter()
-        if config.observe_scores and not isinstance(self.router, KVRouter):
-            with suppress(ScoreUnavailable):  # counted by the lookup; these routers need no scores
+        if self.observe:
+            try:
                 await self.lookup.scores(request)
-        pod = await self.router.choose(request)
+            except ScoreUnavailable as e:  # counted by the lookup; noted, since no router needs it
+                self.observe_error = str(e)
+        chosen = await self.router.choose(request) if self.router is not None else None
         scores = self.lookup.known(request)
         self.lookup.forget(request)
         sent = time.perf_counter()
-        self.in_flight.start(pod)
-        try:
-            completion = await stream_completion(self.client, config.endpoint(pod), body)
-        finally:
-            self.in_flight.finish(pod)
+        if chosen is None:
+            completion = await send_completion(self.client, config.endpoint(), body)
+        else:
+            self.in_flight.start(chosen)
+            try:
+                completion = await send_completion(self.client, config.endpoint(chosen), body)
+            finally:
+                self.in_flight.finish(chosen)
+        # Loadgen's choice, else the pod the target named (None: unknown).
+        pod = chosen if chosen is not None else completion.pod
         if completion.ok:
             session.conversation.record(turn.user, completion.text)
             self.oracle.observe(flat_prompt(body), answer_suffix(body, completion.text))
+        best = None
+        if pod is not None and scores is not None and scores.best() > 0:
+            best = scores.is_best(pod)
         return RequestRecord(
             seq=turn.seq,
             session=turn.session,
@@ -311,29 +386,43 @@ class _Run:
             prompt_tokens=completion.prompt_tokens,
             cached_tokens=completion.cached_tokens,
             route_s=sent - routing,
-            best_score=scores.is_best(pod) if scores is not None and scores.best() > 0 else None,
+            best_score=best,
             sent_at=sent - self.start,
             done_at=time.perf_counter() - self.start,
+            matched_blocks=completion.matched_blocks,
         )
+
+    @property
+    def score_error(self) -> str | None:
+        """The last failed score call's reason (the kv router's, or an observation's)."""
+        if isinstance(self.router, KVRouter):
+            return self.router.last_error
+        return self.observe_error
 
 
 async def run_ladder(
     config: LoadgenConfig,
     *,
-    routers: list[str],
+    routers: list[str] | None = None,
     qps: list[float],
     requests: int | None = None,
     duration: float | None = None,
     progress: ProgressFactory | None = None,
 ) -> list[StepResult]:
-    """Every router at every QPS of the ladder, router-major. ``progress(router, qps, total)``
-    gives a context manager around each step that yields its per-request callback (see
-    :func:`tqdm_progress`); ``total`` is the expected request count, None if unknown."""
+    """Every router at every QPS of the ladder, router-major; with ``config.target``, the
+    target at every QPS (then no ``routers``). ``progress(name, qps, total)`` gives a context
+    manager around each step that yields its per-request callback (see :func:`tqdm_progress`);
+    ``total`` is the expected request count, None if unknown."""
+    if config.target is not None and routers:
+        raise ValueError("a target routes by itself: give no routers with it")
+    if config.target is None and not routers:
+        raise ValueError("no routers: give at least one, or a target")
     results = []
-    for router in routers:
+    for router in routers or [None]:
+        name = router if router is not None else config.target_name
         for rate in qps:
             total = requests if requests is not None else _expected(config, rate, duration)
-            bar = progress(router, rate, total) if progress is not None else nullcontext(None)
+            bar = progress(name, rate, total) if progress is not None else nullcontext(None)
             with bar as tick:
                 step = await run_step(
                     config, router=router, qps=rate, requests=requests, duration=duration, progress=tick

@@ -216,17 +216,20 @@ def turn_stream(spec: WorkloadSpec) -> Iterator[Turn]:
 
 
 def completion_body(
-    *, model: str, max_tokens: int, chat: bool, conversation: Conversation, user: str
+    *,
+    model: str,
+    max_tokens: int,
+    chat: bool,
+    conversation: Conversation,
+    user: str,
+    stream: bool = True,
 ) -> dict:
-    """The OpenAI request body for one turn: streamed, with usage, ``ignore_eos`` so every
-    answer is ``max_tokens`` long (fair comparisons need equal output lengths)."""
-    body: dict = {
-        "model": model,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
+    """The OpenAI request body for one turn: streamed with a usage chunk (or, ``stream`` False,
+    one JSON answer, which always carries usage), ``ignore_eos`` so every answer is
+    ``max_tokens`` long (fair comparisons need equal output lengths)."""
+    body: dict = {"model": model, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if chat:
         body["messages"] = conversation.messages(user)
     else:

@@ -1,9 +1,10 @@
 """``python manage.py loadgen``: an OpenAI workload against a vLLM fleet, routed per request.
 
 A thin shell around :mod:`simulator.loadgen`: it turns options into a ``LoadgenConfig`` and a
-``WorkloadSpec``, runs every router at every QPS of the ladder (``run_ladder``), prints the
-summary table and writes the JSON results. The formulas behind each column are in
-``simulator/loadgen/report.py``, the routers in ``simulator/loadgen/routers.py``.
+``WorkloadSpec``, runs every router (or, with ``--target``, the one target) at every QPS of the
+ladder (``run_ladder``), prints the summary table and writes the JSON results. The formulas
+behind each column are in ``simulator/loadgen/report.py``, the routers in
+``simulator/loadgen/routers.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from functools import partial
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from simulator.loadgen.report import render_table, results_document, summarize, write_json
+from simulator.loadgen.report import pod_lines, render_table, results_document, summarize, write_json
 from simulator.loadgen.routers import DEFAULT_ALPHA, ROUTER_NAMES
 from simulator.loadgen.runner import (
     DEFAULT_MODEL,
@@ -25,6 +26,7 @@ from simulator.loadgen.runner import (
     fleet_from_base,
     parse_pod,
     parse_qps,
+    parse_target,
     run_ladder,
     tqdm_progress,
 )
@@ -34,7 +36,8 @@ from simulator.loadgen.workload import WorkloadSpec
 class Command(BaseCommand):
     help = (
         "Send a shared-prefix OpenAI workload to a vLLM fleet, choosing each request's pod with a "
-        "router (kv, kv-load, least-loaded, random, round-robin), and report TTFT, latency, "
+        "router (kv, kv-load, least-loaded, random, round-robin) or sending every request to one "
+        "OpenAI endpoint (--target: our gateway or a peer router), and report TTFT, latency, "
         "throughput and prefix-cache hit rates per router and QPS."
     )
 
@@ -53,6 +56,21 @@ class Command(BaseCommand):
             metavar="POD=URL",
             help="A pod and its base URL, e.g. sim-0=http://127.0.0.1:8100 (repeatable).",
         )
+        fleet.add_argument(
+            "--target",
+            metavar="URL",
+            help=(
+                "Send every request to this OpenAI server's /v1/chat/completions or /v1/completions "
+                "(base URL, e.g. http://127.0.0.1:8200: a gateway or peer router) instead of routing "
+                "with --router. Pods are then optional: given, they are reset and scraped for the "
+                "fleet hit rate; the pod of a request is read from its x-kvcache-pod header."
+            ),
+        )
+        fleet.add_argument(
+            "--label",
+            metavar="NAME",
+            help="Name of the --target runs in the table and JSON (default target:<URL>).",
+        )
         fleet.add_argument("--model", default=DEFAULT_MODEL, help=f"Model name (default {DEFAULT_MODEL}).")
         endpoint = fleet.add_mutually_exclusive_group()
         endpoint.add_argument(
@@ -64,6 +82,19 @@ class Command(BaseCommand):
         )
         endpoint.add_argument(
             "--completions", dest="chat", action="store_false", help="Use /v1/completions with a prompt."
+        )
+        fleet.add_argument(
+            "--no-stream",
+            dest="stream",
+            action="store_false",
+            help="Ask for one JSON answer per request instead of an SSE stream (no TTFT then).",
+        )
+        fleet.add_argument(
+            "--block-size",
+            type=int,
+            default=16,
+            metavar="N",
+            help="Tokens per KV block, to turn x-kvcache-matched-blocks into tokens (default 16).",
         )
 
         routing = parser.add_argument_group("routing")
@@ -159,11 +190,20 @@ class Command(BaseCommand):
         # httpx logs every request at INFO: thousands of lines that would bury the progress bar.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         try:
+            if options["target"] and options["router"]:
+                raise ValueError(
+                    "--target sends every request to URL, which routes it: drop --router "
+                    "(or drop --target to route with loadgen)"
+                )
+            if options["label"] is not None and not options["target"]:
+                raise ValueError("--label names the runs of a --target: give --target URL too")
             config = self.config(options)
-            routers = [name.strip() for value in options["router"] or ["kv"] for name in value.split(",")]
-            unknown = [name for name in routers if name not in ROUTER_NAMES]
-            if unknown:
-                raise ValueError(f"unknown router {unknown[0]!r}: choose from {', '.join(ROUTER_NAMES)}")
+            routers: list[str] = []
+            if config.target is None:
+                routers = [name.strip() for value in options["router"] or ["kv"] for name in value.split(",")]
+                unknown = [name for name in routers if name not in ROUTER_NAMES]
+                if unknown:
+                    raise ValueError(f"unknown router {unknown[0]!r}: choose from {', '.join(ROUTER_NAMES)}")
             ladder = parse_qps(options["qps"])
         except ValueError as e:
             raise CommandError(str(e)) from e
@@ -187,13 +227,15 @@ class Command(BaseCommand):
         self.stdout.write(render_table(summaries))
         for summary in summaries:
             rate = "inf" if math.isinf(summary["qps"]) else f"{summary['qps']:g}"
+            for line in pod_lines(summary):
+                self.stdout.write(f"{summary['router']} @ {rate} qps: {line}")
             for note in summary["notes"]:
                 self.stdout.write(f"{summary['router']} @ {rate} qps: {note}")
             for error, count in summary["errors"].items():
                 self.stdout.write(f"{summary['router']} @ {rate} qps: {count} x {error}")
         if options["json_out"]:
             params = {
-                "routers": routers,
+                "routers": routers or [config.target_name],
                 "qps": ladder,
                 "requests": requests,
                 "duration": duration,
@@ -217,8 +259,11 @@ class Command(BaseCommand):
             if pod in pods:
                 raise ValueError(f"pod {pod!r} given twice")
             pods[pod] = url
-        if not pods:
-            raise ValueError("no pods: give --pods-url URL --pods N, or --pod POD=URL (repeatable)")
+        target = parse_target(options["target"]) if options["target"] else None
+        if not pods and target is None:
+            raise ValueError(
+                "no pods: give --pods-url URL --pods N, or --pod POD=URL (repeatable), or --target URL"
+            )
         api_key = options["api_key"]
         if api_key is None and settings.KVCACHE_API_KEYS:
             api_key = settings.KVCACHE_API_KEYS[0]
@@ -233,8 +278,12 @@ class Command(BaseCommand):
         )
         return LoadgenConfig(
             pods=pods,
+            target=target,
+            label=options["label"],
             model=options["model"],
             chat=options["chat"],
+            stream=options["stream"],
+            block_size=options["block_size"],
             max_tokens=options["max_tokens"],
             concurrency=options["concurrency"],
             seed=options["seed"],
