@@ -176,6 +176,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """Prompt tokens of the waiting requests: work queued but not yet holding KV blocks."""
+        return sum(state.prompt_tokens for state in self._waiting)
+
     def running_loras(self) -> set[str]:
         return {s.request.lora_name for s in self._running if s.request.lora_name}
 

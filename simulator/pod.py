@@ -42,7 +42,7 @@ from simulator.metrics import PodMetrics
 from simulator.outputs import SENTENCES, Output, echo_output, random_output, request_rng, token_texts
 from simulator.protocol import ChatParams, SamplingParams, Usage
 
-__all__ = ["Choice", "Pod", "PodTokenizer", "Submission"]
+__all__ = ["Choice", "Pod", "PodTokenizer", "RankLoad", "Submission"]
 
 DEFAULT_MAX_LORAS = 8
 
@@ -128,6 +128,18 @@ class Submission:
             completion_tokens=sum(c.state.generated for c in self.choices),
             cached_tokens=sum(c.state.cached_tokens for c in firsts.values()),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One data-parallel rank's load: requests running and waiting, and ``tokens``, the tokens in
+    the KV blocks running requests hold plus the prompt tokens still waiting (SGLang's
+    ``num_tokens``, what its routers balance on)."""
+
+    rank: int
+    running: int
+    waiting: int
+    tokens: int
 
 
 class Pod:
@@ -262,6 +274,18 @@ class Pod:
     @property
     def sleeping(self) -> bool:
         return self.engines[0].sleeping
+
+    def loads(self) -> list[RankLoad]:
+        """Each rank's load, in rank order."""
+        return [
+            RankLoad(
+                rank=rank,
+                running=engine.num_running,
+                waiting=engine.num_waiting,
+                tokens=engine.cache.num_used * engine.cache.block_size + engine.waiting_prompt_tokens,
+            )
+            for rank, engine in enumerate(self.engines)
+        ]
 
     # --- requests --------------------------------------------------------------------------------
 

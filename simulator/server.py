@@ -16,6 +16,20 @@ Endpoints (vLLM's OpenAI server and its operational endpoints):
 ``POST /sleep``, ``POST /wake_up``         sleep drops the prefix cache; ``GET /is_sleeping``
 =========================================  ===========================================================
 
+And SGLang's operational endpoints, which sglang-router and vllm-router ask their workers for:
+
+=========================================  ===========================================================
+``GET /[get_]server_info``                 model, tokenizer, ``dp_size``, cache and batch sizes
+``GET /[get_]model_info``                  model and tokenizer path, ``is_generation``
+``GET /get_load``                          per rank ``{"dp_rank", "num_reqs", "num_waiting_reqs",
+                                           "num_tokens"}``
+``GET /health_generate``                   200; 503 while sleeping
+``GET|POST /flush_cache``                  as ``/reset_prefix_cache``
+=========================================  ===========================================================
+
+Completions and chat completions answer with ``X-Simulated-Pod: <pod id>``, so a client behind a
+router can tell which pod served it.
+
 Streams are ``data: <json>\\n\\n`` events: for chat, a role chunk ``{"role": "assistant"}`` before
 each choice's first token, then one chunk per token, then a chunk with ``finish_reason``, then a
 usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``. Every error is an OpenAI
@@ -49,9 +63,10 @@ from simulator.protocol import (
     usage_chunk,
 )
 
-__all__ = ["create_app"]
+__all__ = ["POD_HEADER", "create_app"]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache"}
+POD_HEADER = "X-Simulated-Pod"
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -87,6 +102,9 @@ def create_app(pod: Pod) -> Starlette:
     def request_id(request: Request, prefix: str) -> str:
         return request.headers.get("x-request-id") or new_id(prefix)
 
+    def answer_headers(submission: Submission) -> dict[str, str]:
+        return {"X-Request-Id": submission.request_id, POD_HEADER: pod.config.pod_id}
+
     async def collect(submission: Submission) -> list[tuple[int, str, str]]:
         pieces: list[list[str]] = [[] for _ in submission.choices]
         async with contextlib.aclosing(pod.run(submission)) as tokens:
@@ -121,7 +139,7 @@ def create_app(pod: Pod) -> Starlette:
         return StreamingResponse(
             stream(submission, chat=chat, include_usage=include_usage),
             media_type="text/event-stream",
-            headers={**_SSE_HEADERS, "X-Request-Id": submission.request_id},
+            headers={**_SSE_HEADERS, **answer_headers(submission)},
         )
 
     @_openai_errors
@@ -145,7 +163,7 @@ def create_app(pod: Pod) -> Starlette:
             return stream_response(submission, chat=False, include_usage=params.sampling.include_usage)
         choices = await collect(submission)
         body = completion_response(submission.request_id, params.model, choices, submission.usage())
-        return JSONResponse(body, headers={"X-Request-Id": submission.request_id})
+        return JSONResponse(body, headers=answer_headers(submission))
 
     @_openai_errors
     async def chat_completions(request: Request) -> Response:
@@ -165,7 +183,7 @@ def create_app(pod: Pod) -> Starlette:
             return stream_response(submission, chat=True, include_usage=params.sampling.include_usage)
         choices = await collect(submission)
         body = chat_response(submission.request_id, params.model, choices, submission.usage())
-        return JSONResponse(body, headers={"X-Request-Id": submission.request_id})
+        return JSONResponse(body, headers=answer_headers(submission))
 
     async def models(request: Request) -> Response:
         limit = pod.config.engine.max_model_len
@@ -271,6 +289,58 @@ def create_app(pod: Pod) -> Starlette:
     async def is_sleeping(request: Request) -> Response:
         return JSONResponse({"is_sleeping": pod.sleeping})
 
+    # --- SGLang's operational endpoints ----------------------------------------------------------
+
+    def model_info() -> dict[str, Any]:
+        # The directory the pod's tokenizer was loaded from, as SGLang reports its own: a router
+        # that loads the tokenizer from there needs no model hub.
+        return {
+            "model_path": str(pod.tokenizer.loaded.path.parent),
+            "tokenizer_path": str(pod.tokenizer.loaded.path.parent),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+
+    async def get_model_info(request: Request) -> Response:
+        return JSONResponse(model_info())
+
+    async def get_server_info(request: Request) -> Response:
+        engine = pod.config.engine
+        return JSONResponse(
+            {
+                **model_info(),
+                "served_model_name": pod.model,
+                "dp_size": pod.config.data_parallel_size,
+                "tp_size": 1,
+                "page_size": engine.block_size,
+                "max_total_num_tokens": engine.kv_cache_size * engine.block_size,
+                "max_running_requests": engine.max_num_seqs,
+                "context_length": engine.max_model_len,
+                "disaggregation_mode": "null",
+            }
+        )
+
+    async def get_load(request: Request) -> Response:
+        return JSONResponse(
+            [
+                {
+                    "dp_rank": load.rank,
+                    "num_reqs": load.running + load.waiting,
+                    "num_waiting_reqs": load.waiting,
+                    "num_tokens": load.tokens,
+                }
+                for load in pod.loads()
+            ]
+        )
+
+    async def health_generate(request: Request) -> Response:
+        if pod.sleeping:
+            return JSONResponse({"status": "sleeping"}, status_code=503)
+        return Response(status_code=200)
+
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -287,5 +357,12 @@ def create_app(pod: Pod) -> Starlette:
             Route("/sleep", sleep, methods=["POST"]),
             Route("/wake_up", wake_up, methods=["POST"]),
             Route("/is_sleeping", is_sleeping, methods=["GET"]),
+            Route("/server_info", get_server_info, methods=["GET"]),
+            Route("/get_server_info", get_server_info, methods=["GET"]),
+            Route("/model_info", get_model_info, methods=["GET"]),
+            Route("/get_model_info", get_model_info, methods=["GET"]),
+            Route("/get_load", get_load, methods=["GET"]),
+            Route("/health_generate", health_generate, methods=["GET"]),
+            Route("/flush_cache", reset_prefix_cache, methods=["GET", "POST"]),
         ]
     )

@@ -256,3 +256,21 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request(qwen: PodTokenize
     assert (
         f'vllm:request_success_total{{engine="0",finish_reason="abort",model_name="{MODEL}"}} 1.0' in metrics
     )
+
+
+def test_a_kept_alive_connection_answers_without_waiting_for_a_delayed_ack(qwen: PodTokenizer) -> None:
+    # With Nagle on the pod's side, every request after the first on a connection waited ~40 ms
+    # (the client's delayed ACK): a floor under every latency a benchmark measured.
+    fleet = fleet_of(qwen, pod_config(), publish=PublishConfig(endpoint=None))
+
+    async def body(fleet: Fleet, client: httpx.AsyncClient) -> list[float]:
+        took = []
+        for n in range(6):
+            start = time.perf_counter()
+            r = await complete(client, fleet.pods[0].url, f"kept alive {n} " * 20, max_tokens=2)
+            took.append(time.perf_counter() - start)
+            assert r.status_code == 200
+        return took
+
+    took = sorted(run_with(fleet, body)[1:])  # the first also opens the connection
+    assert took[len(took) // 2] < 0.02, took

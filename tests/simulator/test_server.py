@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
@@ -15,7 +16,8 @@ from scoring.keys import block_keys
 from simulator.config import FAILURE_TYPES, FailureConfig
 from simulator.errors import INJECTED
 from simulator.pod import Pod, PodTokenizer
-from simulator.server import create_app
+from simulator.protocol import SamplingParams
+from simulator.server import POD_HEADER, create_app
 from tests.simulator.conftest import MODEL, pod_config
 
 SYSTEM = (
@@ -431,3 +433,71 @@ def test_metrics_have_vllm_names_per_pod(served: Served) -> None:
     hits = next(line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
     assert float(hits.split()[-1]) > 0
     assert isinstance(served.events()[0], BlockStored)
+
+
+# --- SGLang's operational endpoints, for the peer routers ----------------------------------------
+
+
+def test_answers_name_the_pod_that_served_them(served: Served) -> None:
+    body = {"model": MODEL, "prompt": "Which pod?", "max_tokens": 2}
+    assert served.client.post("/v1/completions", json=body).headers[POD_HEADER] == "sim-0"
+    with served.client.stream("POST", "/v1/chat/completions", json=chat("Which pod?", stream=True)) as r:
+        assert r.headers[POD_HEADER] == "sim-0"
+
+
+def test_model_and_server_info_point_at_the_pods_tokenizer(served: Served, qwen: PodTokenizer) -> None:
+    info = served.client.get("/get_model_info").json()
+    assert served.client.get("/model_info").json() == info
+    # A simulated pod's tokenizer is its whole model: a router loads it from there, offline.
+    assert info["model_path"] == info["tokenizer_path"] == str(qwen.loaded.path.parent)
+    assert (Path(info["tokenizer_path"]) / "tokenizer.json").is_file()
+    assert info["is_generation"] is True
+    server = served.client.get("/get_server_info").json()
+    assert served.client.get("/server_info").json() == server
+    assert server["served_model_name"] == MODEL
+    assert server["model_path"] == info["model_path"]
+    assert (server["dp_size"], server["tp_size"], server["page_size"]) == (1, 1, 16)
+    assert server["max_total_num_tokens"] == 1024 * 16
+
+
+def test_get_load_counts_each_ranks_requests_and_tokens(qwen: PodTokenizer) -> None:
+    with serve(qwen, max_num_seqs=1) as s:
+        idle = [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+        assert s.client.get("/get_load").json() == idle
+        prompt = qwen.encode(SYSTEM)
+        submissions = [
+            s.pod.submit(
+                request_id=f"load-{i}",
+                model=MODEL,
+                prompts=[(prompt, prompt)],
+                sampling=SamplingParams(max_tokens=4),
+                adapter=None,
+                param="prompt",
+            )
+            for i in range(2)
+        ]
+        running = s.pod.engines[0].cache.num_used * 16  # the KV the first request holds
+        assert running >= len(prompt)
+        # One runs (max_num_seqs=1), one waits: its prompt counts as load before it holds KV.
+        assert s.client.get("/get_load").json() == [
+            {"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": running + len(prompt)}
+        ]
+        for submission in submissions:
+            for choice in submission.choices:
+                choice.engine.abort(choice.state)
+        assert s.client.get("/get_load").json() == idle
+
+
+def test_health_generate_is_503_while_sleeping(served: Served) -> None:
+    assert served.client.get("/health_generate").status_code == 200
+    served.client.post("/sleep")
+    assert served.client.get("/health_generate").status_code == 503
+    served.client.post("/wake_up")
+    assert served.client.get("/health_generate").status_code == 200
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_flush_cache_resets_the_prefix_cache(served: Served, method: str) -> None:
+    served.client.post("/v1/completions", json={"model": MODEL, "prompt": SYSTEM, "max_tokens": 1})
+    assert served.client.request(method, "/flush_cache").status_code == 200
+    assert served.events()[-1] == AllBlocksCleared()

@@ -1,0 +1,297 @@
+"""The peer routers: vllm-router and sglang-router, what people put in front of a vLLM fleet
+instead of this service, run as child processes in front of given pods.
+
+``make bench-peers`` installs them, pinned in ``bench/peers-requirements.txt``, into a venv of
+their own (``var/peers``): they bring dependencies of their own, which must not meet the
+project's. Both are Rust routers behind a Python launcher; neither needs a GPU or the model hub
+(sglang-router loads the tokenizer from the path the pods report, docs/simulator.md).
+
+    with start_peer("sglang-router", workers=["http://127.0.0.1:8100", "http://127.0.0.1:8101"],
+                    policy="cache_aware") as peer:
+        httpx.post(f"{peer.url}/v1/completions", json={...})
+
+or by hand, in the foreground until Ctrl-C:
+
+    .venv/bin/python bench/peers.py sglang-router --policy cache_aware \\
+        --workers http://127.0.0.1:8100 http://127.0.0.1:8101 [--port 30000]
+
+No Django here: the benchmarks import it as they import the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+__all__ = [
+    "PEERS",
+    "PEERS_VENV",
+    "Peer",
+    "PeerStartError",
+    "PeersNotInstalled",
+    "RunningPeer",
+    "peers_installed",
+    "start_peer",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_VENV = ROOT / "var" / "peers"
+"""Where ``make bench-peers`` installs the peers; its ``.installed`` stamp says the install finished."""
+
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """How to run one peer router: its console script in the peers venv and the arguments before
+    the common ones, the policies its ``--policy`` takes for a fleet of regular workers, its name
+    for the warning log level, and the flags it needs beyond the common ones."""
+
+    name: str
+    command: tuple[str, ...]
+    policies: tuple[str, ...]
+    log_level: str
+    extra: tuple[str, ...] = ()
+
+    def argv(
+        self, venv: Path, *, workers: list[str], policy: str, host: str, port: int, metrics_port: int
+    ) -> list[str]:
+        """The command line that serves ``workers`` with ``policy`` on ``host:port``."""
+        return [
+            str(venv / "bin" / self.command[0]),
+            *self.command[1:],
+            "--worker-urls",
+            *workers,
+            "--policy",
+            policy,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            # Both default to port 29000: two peers, or a peer and anything else there, would clash.
+            "--prometheus-host",
+            host,
+            "--prometheus-port",
+            str(metrics_port),
+            "--log-level",
+            self.log_level,
+            *self.extra,
+        ]
+
+
+PEERS: dict[str, Peer] = {
+    peer.name: peer
+    for peer in (
+        # kv_aware is left out: it needs each pod's KV event endpoint (--kv-event-source).
+        Peer(
+            name="vllm-router",
+            command=("vllm-router",),
+            policies=(
+                "cache_aware",
+                "round_robin",
+                "power_of_two",
+                "random",
+                "consistent_hash",
+                "sticky_least_loaded",
+            ),
+            log_level="warning",
+        ),
+        Peer(
+            name="sglang-router",
+            command=("sglang-router", "launch"),
+            policies=("cache_aware", "round_robin", "power_of_two", "random"),
+            log_level="warn",
+            # Its default waits up to 180 s for in-flight requests on SIGTERM.
+            extra=("--shutdown-grace-period-secs", "1"),
+        ),
+    )
+}
+
+
+class PeersNotInstalled(RuntimeError):
+    """The peers venv is missing or incomplete."""
+
+
+class PeerStartError(RuntimeError):
+    """A peer exited, or did not serve every worker in time; the message has its log's tail."""
+
+
+def peers_installed(venv: Path = PEERS_VENV) -> bool:
+    """Whether ``make bench-peers`` has installed every peer into ``venv``."""
+    return (venv / ".installed").is_file() and all(
+        (venv / "bin" / peer.command[0]).is_file() for peer in PEERS.values()
+    )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass(eq=False)
+class RunningPeer:
+    """A started peer: where it serves, its process and its log (stdout and stderr; a temporary
+    log goes when the peer stops). A context manager: leaving it stops the peer."""
+
+    peer: Peer
+    policy: str
+    workers: list[str]
+    url: str
+    metrics_url: str
+    argv: list[str]
+    process: subprocess.Popen
+    log_path: Path
+    temporary_log: bool = False
+
+    def __enter__(self) -> RunningPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.temporary_log:
+            self.log_path.unlink(missing_ok=True)
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        return _tail(self.log_path, lines)
+
+
+def _serves_every_worker(client: httpx.Client, url: str, workers: list[str]) -> bool:
+    """Both peers list their workers at ``GET /workers``. sglang-router answers ``/health`` before
+    it has registered any (registration runs in the background), so only this says it can route."""
+    try:
+        response = client.get(f"{url}/workers")
+        listed = response.json().get("workers", []) if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return False
+    healthy = {w.get("url") for w in listed if w.get("is_healthy")}
+    return healthy >= set(workers)
+
+
+def start_peer(
+    name: str,
+    *,
+    workers: list[str],
+    policy: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    venv: Path = PEERS_VENV,
+    log_path: Path | None = None,
+    ready_timeout: float = READY_TIMEOUT,
+) -> RunningPeer:
+    """Start peer ``name`` in front of ``workers`` (base URLs) with ``policy`` on ``host:port``
+    (0: a free port) and return once it serves every worker healthy. Raises
+    :class:`PeersNotInstalled` without the peers venv, ``ValueError`` for an unknown peer or
+    policy, :class:`PeerStartError` when it exits or is not ready within ``ready_timeout``
+    seconds (it is stopped then). Its output goes to ``log_path`` (default: a temporary file,
+    removed when it stops)."""
+    peer = PEERS.get(name)
+    if peer is None:
+        raise ValueError(f"unknown peer {name!r}: choose one of {', '.join(PEERS)}")
+    if policy not in peer.policies:
+        raise ValueError(f"{name} has no policy {policy!r}: choose one of {', '.join(peer.policies)}")
+    if not workers:
+        raise ValueError("give at least one worker URL")
+    if not peers_installed(venv):
+        raise PeersNotInstalled(f"the peer routers are not installed in {venv}: run `make bench-peers`")
+    workers = [w.rstrip("/") for w in workers]
+    port, metrics_port = port or _free_port(host), _free_port(host)
+    argv = peer.argv(venv, workers=workers, policy=policy, host=host, port=port, metrics_port=metrics_port)
+    temporary_log = log_path is None
+    if log_path is None:
+        fd, path = tempfile.mkstemp(prefix=f"{name}-{policy}-", suffix=".log")
+        os.close(fd)
+        log_path = Path(path)
+    # The peers' HTTP clients honour proxy variables: the pods must be reached directly.
+    pod_hosts = [urlsplit(w).hostname or "" for w in workers]
+    no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY", ""), *pod_hosts]))
+    env = {**os.environ, "NO_PROXY": no_proxy, "no_proxy": no_proxy}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    url_host = f"[{host}]" if ":" in host else host
+    running = RunningPeer(
+        peer=peer,
+        policy=policy,
+        workers=workers,
+        url=f"http://{url_host}:{port}",
+        metrics_url=f"http://{url_host}:{metrics_port}/metrics",
+        argv=argv,
+        process=process,
+        log_path=log_path,
+        temporary_log=temporary_log,
+    )
+    deadline = time.monotonic() + ready_timeout
+    try:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while not _serves_every_worker(client, running.url, workers):
+                if process.poll() is not None:
+                    raise PeerStartError(
+                        f"{name} exited with status {process.returncode} before serving:\n"
+                        f"{running.log_tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise PeerStartError(
+                        f"{name} did not serve {len(workers)} healthy workers within {ready_timeout:g} s "
+                        f"(are the pods up?):\n{running.log_tail()}"
+                    )
+                time.sleep(0.05)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run a peer router in front of pods until Ctrl-C.")
+    parser.add_argument("peer", choices=sorted(PEERS))
+    parser.add_argument("--workers", nargs="+", required=True, help="pod base URLs")
+    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: a free port")
+    args = parser.parse_args(argv)
+    try:
+        peer = start_peer(args.peer, workers=args.workers, policy=args.policy, host=args.host, port=args.port)
+    except (PeersNotInstalled, PeerStartError, ValueError) as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"{args.peer} ({args.policy}) at {peer.url}, log {peer.log_path}\n  {' '.join(peer.argv)}")
+    with peer, contextlib.suppress(KeyboardInterrupt):
+        peer.process.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

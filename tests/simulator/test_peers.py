@@ -1,0 +1,181 @@
+"""The peer routers (``bench.peers``) in front of simulated pods: each peer, with each policy we
+compare against, starts on our fleet and routes completions and chat completions, plain and
+streamed, to the pods; cache_aware keeps a prompt on the pod that has it cached, round_robin
+alternates. Needs ``make bench-peers``; without it these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.peers import PEERS, PeersNotInstalled, peers_installed, start_peer
+from simulator.config import EngineConfig, LatencyConfig, PodConfig
+from simulator.fleet import Fleet, FleetConfig, PublishConfig
+from simulator.pod import PodTokenizer
+from simulator.server import POD_HEADER
+from tests.simulator.conftest import MODEL
+
+needs_peers = pytest.mark.skipif(
+    not peers_installed(), reason="the peer routers are not installed: run `make bench-peers`"
+)
+# Longer than the cache_aware trees' match threshold, and four blocks of 16 tokens at least.
+SYSTEM = "You answer questions about KV caches for a routing test, in one short sentence each. " * 4
+
+
+class RunningFleet:
+    """Two zero-latency pods on free loopback ports, served from a thread's event loop."""
+
+    def __init__(self, tokenizer: PodTokenizer) -> None:
+        pod = PodConfig(
+            pod_id="sim-0",
+            model=MODEL,
+            engine=EngineConfig(hash_seed="42"),
+            latency=LatencyConfig(
+                prefill_overhead_ms=0, prefill_time_per_token_ms=0, inter_token_latency_ms=0
+            ),
+        )
+        config = FleetConfig(pod=pod, pods=2, base_port=0, publish=PublishConfig(endpoint=None))
+        self.fleet = Fleet(config, tokenizer=tokenizer, graceful_timeout=0.5)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.fleet.start(), self.loop).result(30)
+        self.urls = [p.url for p in self.fleet.pods]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.fleet.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(qwen: PodTokenizer) -> Iterator[RunningFleet]:
+    running = RunningFleet(qwen)
+    yield running
+    running.stop()
+
+
+def completion(prompt: str, **extra: object) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 64, **extra}
+
+
+def chat(content: str, **extra: object) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}],
+        "max_tokens": 64,
+        **extra,
+    }
+
+
+def events(response: httpx.Response) -> list:
+    """The data of each server-sent event of a streamed answer; ``[DONE]`` stays a string."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def streamed_text(chunks: list) -> str:
+    return "".join(
+        choice.get("text") or choice.get("delta", {}).get("content") or ""
+        for chunk in chunks[:-1]
+        for choice in chunk.get("choices", [])
+    )
+
+
+# --- bench.peers without the peers ---------------------------------------------------------------
+
+
+def test_without_the_peers_venv_starting_a_peer_says_to_run_make_bench_peers(tmp_path: Path) -> None:
+    assert not peers_installed(tmp_path)
+    with pytest.raises(PeersNotInstalled, match="make bench-peers"):
+        start_peer("vllm-router", workers=["http://127.0.0.1:1"], policy="round_robin", venv=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "policy", "message"),
+    [("nginx", "round_robin", "unknown peer"), ("sglang-router", "kv_aware", "no policy 'kv_aware'")],
+)
+def test_an_unknown_peer_or_policy_is_refused(name: str, policy: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        start_peer(name, workers=["http://127.0.0.1:1"], policy=policy)
+
+
+def test_each_peer_gets_its_own_metrics_port_and_the_workers() -> None:
+    argv = PEERS["sglang-router"].argv(
+        Path("/v"),
+        workers=["http://a:1", "http://b:2"],
+        policy="cache_aware",
+        host="h",
+        port=5,
+        metrics_port=6,
+    )
+    assert argv[:2] == ["/v/bin/sglang-router", "launch"]
+    assert argv[argv.index("--worker-urls") + 1 : argv.index("--policy")] == ["http://a:1", "http://b:2"]
+    assert argv[argv.index("--prometheus-port") + 1] == "6"
+
+
+# --- each peer in front of the fleet -------------------------------------------------------------
+
+
+@needs_peers
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+@pytest.mark.parametrize("name", sorted(PEERS))
+def test_a_peer_routes_plain_and_streamed_requests_to_the_pods(
+    fleet: RunningFleet, name: str, policy: str
+) -> None:
+    pods = {"sim-0", "sim-1"}
+    tag = f"{name} {policy}"
+    with start_peer(name, workers=fleet.urls, policy=policy) as peer, httpx.Client(timeout=30) as client:
+        # The pods echo: each answer is the prompt (or the last message) from a pod, as sent.
+        r = client.post(f"{peer.url}/v1/completions", json=completion(f"Plain completion via {tag}"))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == f"Plain completion via {tag}"
+        assert r.headers[POD_HEADER] in pods
+
+        r = client.post(f"{peer.url}/v1/chat/completions", json=chat(f"Plain chat via {tag}"))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == f"Plain chat via {tag}"
+        assert r.headers[POD_HEADER] in pods
+
+        body = completion(f"Streamed completion via {tag}", stream=True)
+        with client.stream("POST", f"{peer.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers[POD_HEADER] in pods
+            chunks = events(r)
+        assert chunks[-1] == "[DONE]"
+        assert streamed_text(chunks) == f"Streamed completion via {tag}"
+
+        body = chat(f"Streamed chat via {tag}", stream=True, stream_options={"include_usage": True})
+        with client.stream("POST", f"{peer.url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = events(r)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+        assert chunks[-2]["usage"]["prompt_tokens"] > 0
+        assert streamed_text(chunks) == f"Streamed chat via {tag}"
+
+        # The same long prompt four times: cache_aware keeps it on one pod, which then has it
+        # cached; round_robin spreads it over both.
+        served, cached = [], []
+        for _ in range(4):
+            r = client.post(f"{peer.url}/v1/completions", json=completion(f"{SYSTEM} Asked via {tag}"))
+            assert r.status_code == 200, r.text
+            served.append(r.headers[POD_HEADER])
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        if policy == "cache_aware":
+            assert len(set(served)) == 1, served
+            assert all(tokens >= 48 for tokens in cached[1:]), cached
+        else:
+            assert set(served) == pods, served
+    assert peer.process.returncode is not None
