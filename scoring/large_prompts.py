@@ -82,8 +82,20 @@ _tokenizers: dict = {}
 
 def _start_child() -> None:
     import os
+    import threading
+    import time
 
     os.nice(BACKGROUND_NICENESS)
+    parent = os.getppid()
+
+    def exit_with_the_parent() -> None:
+        # A pool worker waits on a queue whose writing end it holds itself: a parent that dies
+        # without shutting the pool down (SIGKILL) would leave it waiting forever.
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_the_parent, name="parent-watch", daemon=True).start()
 
 
 def _encode(tokenizer_file: str, prompt: str, max_tokens: int | None) -> tuple[int, bytes | None]:

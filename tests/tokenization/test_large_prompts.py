@@ -3,7 +3,11 @@ count when over the limit, and nothing of them left in this process's prefix sto
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,7 @@ from scoring.prefix_store import PrefixStore, TooManyTokens
 from scoring.tokenization import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +56,23 @@ def test_short_prompts_still_go_through_the_prefix_store(registry, base_capture)
 def test_text_that_is_not_unicode_is_refused_before_the_child_sees_it(registry):
     with pytest.raises(ValueError, match="not valid Unicode"):
         registry.tokenize(MODEL, "x" * 5000 + "\ud800")
+
+
+def test_the_child_exits_when_its_parent_is_killed():
+    script = (
+        "import os, signal\n"
+        "from scoring.large_prompts import LargePromptTokenizer\n"
+        "from scoring.tokenization import TokenizerRegistry\n"
+        "large = LargePromptTokenizer(min_chars=10)\n"
+        "TokenizerRegistry(large_prompts=large).tokenize('Qwen/Qwen3-0.6B', 'hello there ' * 10)\n"
+        "print(*large._pool._processes, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # no shutdown, no atexit\n"
+    )
+    run = [sys.executable, "-c", script]
+    out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    children = [int(pid) for pid in out.stdout.split()]
+    assert children, out.stderr
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children)
