@@ -2,9 +2,6 @@
 shell's handles (registry snapshot, index, tokenizers, template sandbox) and settings. At start-up
 the registry's models' tokenizers are loaded, so no first request waits for one."""
 
-import asyncio
-import gc
-import logging
 import os
 
 import django
@@ -47,15 +44,8 @@ async def lifespan(receive, send):
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
-            try:
-                config = await runtime.config_source.aget()
-            except Exception as error:  # no database yet: the first request loads it
-                logging.getLogger(__name__).warning("registry snapshot not loaded at start-up: %s", error)
-            else:
-                await asyncio.get_running_loop().run_in_executor(None, runtime.warm_tokenizers, config)
+            await runtime.warm_up()
             await gateway.startup()
-            gc.collect()
-            gc.freeze()
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await gateway.shutdown()

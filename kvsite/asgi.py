@@ -11,9 +11,6 @@
   reach; at shutdown the fast path's threads and template sandbox stop.
 """
 
-import asyncio
-import gc
-import logging
 import os
 import sys
 
@@ -52,17 +49,7 @@ async def lifespan(receive, send):
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
-            try:
-                config = await runtime.config_source.aget()
-            except Exception as error:  # no database yet: the first request loads it
-                logging.getLogger(__name__).warning("registry snapshot not loaded at start-up: %s", error)
-            else:
-                # The registry's models get their tokenizers now, not on a first request.
-                await asyncio.get_running_loop().run_in_executor(None, runtime.warm_tokenizers, config)
-            # Everything loaded so far lives as long as the process: out of the collector's sight,
-            # so a full collection walks only what requests allocate (not Django's whole heap).
-            gc.collect()
-            gc.freeze()
+            await runtime.warm_up()
             # A thread doing Python work (keys of a long prompt, a prefix store update) gives the
             # event loop the GIL back within 1 ms, not 5: small requests wait less behind it.
             sys.setswitchinterval(0.001)

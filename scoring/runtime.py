@@ -7,6 +7,9 @@ The core (read path, fast path, ingest pipeline) takes these as arguments; only 
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import logging
 import threading
 from pathlib import Path
 
@@ -136,6 +139,21 @@ def build_tokenizers(*, prefix_store: PrefixStore | None = None) -> TokenizerReg
         prefix_store=prefix_store,
         large_prompts=_large_prompts(),
     )
+
+
+async def warm_up() -> None:
+    """A server process's start: the registry snapshot and its models' tokenizers loaded (so no
+    first request waits for either), then everything loaded so far, which lives as long as the
+    process, frozen out of the collector's sight (a full collection then walks only what
+    requests allocate, not Django's whole heap)."""
+    try:
+        config = await config_source.aget()
+    except Exception as error:  # no database yet: the first request loads it
+        logging.getLogger(__name__).warning("registry snapshot not loaded at start-up: %s", error)
+    else:
+        await asyncio.get_running_loop().run_in_executor(None, warm_tokenizers, config)
+    gc.collect()
+    gc.freeze()
 
 
 def warm_tokenizers(config: ServiceConfig) -> list[str]:

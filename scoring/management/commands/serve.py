@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 APPLICATION = "kvsite.asgi:application"
 
@@ -26,41 +26,61 @@ class Command(BaseCommand):
     help = "Serve the web application (scoring fast path, Django, websockets) with uvicorn workers."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-        parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-        parser.add_argument(
-            "--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: the cores)"
-        )
-        parser.add_argument(
-            "--graceful-seconds",
-            type=float,
-            default=8.0,
-            help="how long in-flight requests may finish after SIGTERM (default 8; the whole exit stays "
-            "under 10 s)",
-        )
-        parser.add_argument("--access-log", action="store_true", help="log every request (off: it costs)")
+        add_server_arguments(parser, port=8000)
 
-    def handle(self, *args: Any, host: str, port: int, workers: int, graceful_seconds: float, **options: Any):
-        if workers < 1:
-            self.stderr.write("--workers must be at least 1")
-            raise SystemExit(2)
-        if workers > 1:
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_fresh_metrics_dir(port))
-        self.stdout.write(f"Serving {APPLICATION} on http://{host}:{port} with {workers} worker(s)")
-        uvicorn.run(
-            APPLICATION,
-            host=host,
-            port=port,
-            workers=workers,
-            loop="uvloop",
-            http="httptools",
-            ws="websockets",
-            lifespan="on",
-            timeout_graceful_shutdown=graceful_seconds,
-            access_log=options["access_log"],
-            log_level="info",
-            proxy_headers=False,
-        )
+    def handle(self, *args: Any, **options: Any) -> None:
+        run_server(self, APPLICATION, ws="websockets", **options)
+
+
+def add_server_arguments(parser: CommandParser, *, port: int) -> None:
+    """The options of a uvicorn-served command (``serve``, ``gateway``)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: the cores)"
+    )
+    parser.add_argument(
+        "--graceful-seconds",
+        type=float,
+        default=8.0,
+        help="how long in-flight requests may finish after SIGTERM (default 8; the whole exit stays "
+        "under 10 s)",
+    )
+    parser.add_argument("--access-log", action="store_true", help="log every request (off: it costs)")
+
+
+def run_server(
+    command: BaseCommand,
+    application: str,
+    *,
+    host: str,
+    port: int,
+    workers: int,
+    graceful_seconds: float,
+    access_log: bool,
+    ws: str = "none",
+    **_options: Any,
+) -> None:
+    """``application`` under uvicorn in ``workers`` processes, with multiprocess metrics."""
+    if workers < 1:
+        raise CommandError("--workers must be at least 1")
+    if workers > 1:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_fresh_metrics_dir(port))
+    command.stdout.write(f"Serving {application} on http://{host}:{port} with {workers} worker(s)")
+    uvicorn.run(
+        application,
+        host=host,
+        port=port,
+        workers=workers,
+        loop="uvloop",
+        http="httptools",
+        ws=ws,
+        lifespan="on",
+        timeout_graceful_shutdown=graceful_seconds,
+        access_log=access_log,
+        log_level="info",
+        proxy_headers=False,
+    )
 
 
 def _fresh_metrics_dir(port: int) -> Path:
