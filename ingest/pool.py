@@ -300,15 +300,20 @@ class Receiver:
         self.bound: list[str] = []
         for endpoint, do_bind in [(e, True) for e in bind] + [(e, False) for e in connect]:
             sock = self.context.socket(zmq.SUB)
+            self.sockets.append(sock)
             sock.setsockopt(zmq.RCVHWM, rcvhwm)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            if do_bind:
-                sock.bind(endpoint)
-                self.bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-            else:
-                sock.connect(endpoint)
-            self.sockets.append(sock)
+            try:
+                if do_bind:
+                    sock.bind(endpoint)
+                    self.bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                else:
+                    sock.connect(endpoint)
+            except zmq.ZMQError:
+                for opened in self.sockets:  # nothing left open to hold its context's term()
+                    opened.close(0)
+                raise
         self._stop = threading.Event()
         self._pods: set[str] = set()  # pods received from (bounded by limits.max_pods)
 

@@ -117,7 +117,7 @@ class Harness:
         for pub in self.publishers:
             pub.close()
         self.pipeline.stop(drain_timeout=5)
-        self.context.term()
+        self.context.destroy(linger=0)  # a failed test must not leave term() waiting
 
 
 @pytest.fixture(params=["memory", "redis"])

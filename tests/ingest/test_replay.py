@@ -115,15 +115,23 @@ class Fixture:
         )
 
     def start_ingest(self, *, timeout: float = 1.0, workers: int = 2) -> IngestPipeline:
-        self.pipeline = IngestPipeline(
-            index=self.index,
-            config=self.config,
-            bind=[f"tcp://127.0.0.1:{self.port or '*'}"],
-            workers=workers,
-            context=self.context,
-            replay=ReplayClient(config=self.config, context=self.context, timeout=timeout),
-            epoch_check_seconds=0.1,
-        )
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                self.pipeline = IngestPipeline(
+                    index=self.index,
+                    config=self.config,
+                    bind=[f"tcp://127.0.0.1:{self.port or '*'}"],
+                    workers=workers,
+                    context=self.context,
+                    replay=ReplayClient(config=self.config, context=self.context, timeout=timeout),
+                    epoch_check_seconds=0.1,
+                )
+                break
+            except zmq.ZMQError as error:  # ZeroMQ lets the last pipeline's port go in the background
+                if error.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         self.pipeline.start()
         self.port = self.pipeline.bound[0].rpartition(":")[2]
         return self.pipeline
@@ -181,7 +189,7 @@ class Fixture:
             self.stop_ingest()
         for engine in self.engines:
             engine.close()
-        self.context.term()
+        self.context.destroy(linger=0)  # a failed test must not leave term() waiting
 
 
 @pytest.fixture(params=["memory", "redis"])
