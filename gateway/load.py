@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
 import httpx
+
+from scoring.liveness import requests_in
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +24,6 @@ SCRAPE_SECONDS = 1.0
 SCRAPE_TIMEOUT_SECONDS = 0.5
 REPORTED_FOR_SECONDS = 5.0
 """A scrape older than this no longer counts (the pod stopped answering its metrics)."""
-
-_GAUGE = re.compile(rb"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
-
-
-def reported_requests(exposition: bytes) -> float:
-    """Running plus waiting requests in a vLLM ``/metrics`` text (summed over label sets)."""
-    return sum(float(value) for _, value in _GAUGE.findall(exposition))
 
 
 class LoadTracker:
@@ -77,6 +71,6 @@ class LoadTracker:
         try:
             response = await client.get(f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_SECONDS)
             if response.status_code == 200:
-                self.observe(pod, reported_requests(response.content))
+                self.observe(pod, requests_in(response.content))
         except httpx.HTTPError:
             pass  # its load is then ours alone, until the scrape goes stale

@@ -28,10 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -44,8 +45,19 @@ from scoring.index import IndexUnavailable, KVIndex
 log = logging.getLogger(__name__)
 
 HEALTH_PATH = "/health"
-HEALTHS = ("unknown", "up", "down")
-"""What the registry's ``Pod.health`` may say."""
+METRICS_PATH = "/metrics"
+HEALTHS = ("unknown", "up", "busy", "down")
+"""What the registry's ``Pod.health`` may say: ``busy`` is up, with requests running or waiting
+(its ``/metrics``) while ingest has had no KV event from it for a while (``quiet``): it serves but
+its events do not arrive, so what the index holds of it goes stale."""
+
+_REQUESTS = re.compile(rb"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
+
+
+def requests_in(exposition: bytes) -> float:
+    """Running plus waiting requests in a vLLM ``/metrics`` text (summed over label sets)."""
+    return sum(float(value) for value in _REQUESTS.findall(exposition))
+
 
 FAILURE_REASONS = ("connect", "timeout", "status", "error")
 """Why a probe failed: the connection was refused or reset; no answer within the timeout; an answer
@@ -132,8 +144,10 @@ class LivenessProber:
         index: KVIndex | None = None,
         on_change: Callable[[list[HealthChange]], object] | None = None,
         settings: LivenessSettings | None = None,
+        quiet: Callable[[], Collection[str]] | None = None,
     ) -> None:
         self.targets = targets
+        self.quiet = quiet  # pods ingest has had no event from for a while: up, or busy?
         self.index = index
         self.on_change = on_change
         self.settings = settings or LivenessSettings()
@@ -229,6 +243,7 @@ class LivenessProber:
                 change = self._observe(self._tracked[pod], pod, probe_started, reason)
                 if change is not None:
                     changes.append(change)
+        changes += self._judge_busy(loop, client, targets)
         self._forget_due()
         self.stats.rounds += 1
         self.stats.last_round_seconds = time.monotonic() - started
@@ -263,6 +278,53 @@ class LivenessProber:
                 self.stats.failures[reason] += 1
             return started, reason
 
+    def _judge_busy(
+        self, loop: asyncio.AbstractEventLoop, client: httpx.AsyncClient, targets: Mapping[str, str]
+    ) -> list[HealthChange]:
+        """Up pods become busy when they are quiet (no event for a while) and their ``/metrics``
+        show requests; busy ones become up again when events arrive or the requests are done."""
+        quiet = set(self.quiet()) if self.quiet is not None else set()
+        with self._lock:
+            alive = {
+                pod: self._tracked[pod].health
+                for pod in targets
+                if self._tracked[pod].health in ("up", "busy")
+            }
+        asked = [pod for pod in alive if pod in quiet]
+        counts = (
+            loop.run_until_complete(self._requests_all(client, [targets[p] for p in asked])) if asked else []
+        )
+        busy = {pod for pod, n in zip(asked, counts, strict=True) if n}
+        unknown = {pod for pod, n in zip(asked, counts, strict=True) if n is None}
+        changes = []
+        now = time.time()
+        with self._lock:
+            for pod, health in alive.items():
+                if pod in unknown:
+                    continue  # no answer: keep the last verdict
+                wanted = "busy" if pod in busy else "up"
+                tracked = self._tracked.get(pod)
+                if tracked is not None and tracked.health == health != wanted:
+                    tracked.health = wanted
+                    changes.append(HealthChange(pod, wanted, now))
+        return changes
+
+    async def _requests_all(self, client: httpx.AsyncClient, addresses: list[str]) -> list[float | None]:
+        gate = asyncio.Semaphore(self.settings.concurrency)
+        return await asyncio.gather(*(self._requests(client, gate, address) for address in addresses))
+
+    async def _requests(
+        self, client: httpx.AsyncClient, gate: asyncio.Semaphore, address: str
+    ) -> float | None:
+        """Running + waiting requests the pod reports; None when it does not say."""
+        async with gate:
+            try:
+                async with asyncio.timeout(self.settings.timeout):
+                    response = await client.get(f"http://{address}{METRICS_PATH}")
+            except (TimeoutError, httpx.HTTPError, OSError, ValueError):
+                return None
+            return requests_in(response.content) if response.is_success else None
+
     def _retarget(self, targets: Mapping[str, str]) -> list[HealthChange]:
         """Track the pods of ``targets``; pods no longer among them go back to unknown."""
         changes = []
@@ -286,7 +348,7 @@ class LivenessProber:
         if reason is None:
             tracked.failing_since = tracked.down_since = None
             tracked.forgotten = False
-            if tracked.health != "up":
+            if tracked.health not in ("up", "busy"):  # busy or not: _judge_busy says
                 tracked.health = "up"
                 return HealthChange(pod, "up", time.time())
             return None
@@ -375,11 +437,12 @@ def pod_state(*, enabled: bool, health: str, last_event_age: float | None, stale
     * ``disabled``: the registry says so; its blocks are out of the index and of scores;
     * ``down``: the liveness prober finds its ``/health`` failing; out of scores, blocks kept;
     * ``active``: an event arrived within ``stale_after`` seconds (``last_event_age``);
-    * ``idle``: no event for that long, but the prober finds it up. An engine without traffic
-      publishes nothing, and the blocks it holds stay valid: it is scored as usual;
-    * ``stale``: no event for that long (or never) and nothing says the engine is alive (it has no
-      address to probe, or has not been probed yet): the blocks the index holds for it may belong to
-      an engine that is gone. Still scored; give it an address (or disable it) to know.
+    * ``idle``: no event for that long, but the prober finds it up and not serving: an engine
+      without traffic publishes nothing, and the blocks it holds stay valid; scored as usual;
+    * ``stale``: no event for that long (or never) though it is healthy and serving (``busy``: its
+      events do not arrive, so what the index holds of it goes stale), or nothing says the engine
+      is alive (no address to probe, not probed yet): its blocks may belong to an engine that is
+      gone. Still scored; fix its event publishing, or give it an address (or disable it).
     """
     if not enabled:
         return "disabled"

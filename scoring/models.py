@@ -52,10 +52,11 @@ class Pod(models.Model):
     )
     health = models.CharField(
         max_length=16,
-        choices=[("unknown", "unknown"), ("up", "up"), ("down", "down")],
+        choices=[("unknown", "unknown"), ("up", "up"), ("busy", "busy"), ("down", "down")],
         default="unknown",
         editable=False,
-        help_text="What the liveness prober last concluded from the pod's /health; a down pod leaves scores.",
+        help_text="What the liveness prober last concluded from the pod's /health (busy: serving, "
+        "but its KV events stopped arriving); a down pod leaves scores.",
     )
     health_changed_at = models.DateTimeField(null=True, blank=True, editable=False)
     first_seen = models.DateTimeField(null=True, blank=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.server
 import selectors
 import socket
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
 import uvicorn
 
@@ -24,12 +26,13 @@ from scoring import runtime
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex, StoredBlock, open_index
 from scoring.keys import block_digest, block_keys, key_of, root_digest
-from scoring.liveness import HealthChange, LivenessProber, LivenessSettings, probe_targets
+from scoring.liveness import HealthChange, LivenessProber, LivenessSettings, pod_state, probe_targets
 from scoring.models import Pod
 from scoring.read_path import score_token_ids
 from scoring.runtime import invalidate_service_config, service_config
 from scoring.services import expire_pods, save_pod, set_pod_health
 from scoring.tokenization import TokenizerRegistry
+from simulator.config import LatencyConfig
 from simulator.fleet import Fleet, FleetConfig, PublishConfig
 from simulator.pod import PodTokenizer
 from simulator.server import create_app
@@ -462,3 +465,38 @@ def test_housekeeping_expires_at_most_once_a_minute(settings, process_index):
         assert Pod.objects.filter(pod_id="old-2").exists()  # the next look is a minute later
     finally:
         housekeeping.close()
+
+
+def test_a_quiet_pod_that_serves_is_busy_and_up_again_when_it_stops(qwen):
+    """Busy: healthy and serving, yet no KV event arrives (ingest says it is quiet): what the
+    index holds of it goes stale (``pod_state`` says so)."""
+    slow = dataclasses.replace(pod_config(), latency=LatencyConfig(inter_token_latency_ms=50))
+    config = FleetConfig(pod=slow, pods=1, base_port=0, publish=PublishConfig(endpoint=None))
+    fleet = FleetThread(Fleet(config, tokenizer=qwen, graceful_timeout=0.2))
+    quiet = {"sim-0"}
+    changes: list[HealthChange] = []
+    prober = LivenessProber(
+        targets=lambda: {"sim-0": fleet.address(0)},
+        on_change=changes.extend,
+        settings=FAST,
+        quiet=lambda: quiet,
+    )
+    try:
+        prober.probe_once()
+        assert prober.health() == {"sim-0": "up"}  # quiet but not serving: idle
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "ignore_eos": True}
+        request = threading.Thread(
+            target=lambda: httpx.post(f"http://{fleet.address(0)}/v1/completions", json=body, timeout=30)
+        )
+        request.start()
+        wait_until(lambda: prober.probe_once() or prober.health()["sim-0"] == "busy", what="busy")
+        quiet.clear()  # its events arrive again: whatever it serves, it is up
+        prober.probe_once()
+        assert prober.health() == {"sim-0": "up"}
+        request.join(30)
+    finally:
+        fleet.close()
+    assert [c.health for c in changes] == ["up", "busy", "up"]
+    state = pod_state(enabled=True, health="busy", last_event_age=None, stale_after=60.0)
+    assert state == "stale"
+    assert pod_state(enabled=True, health="up", last_event_age=None, stale_after=60.0) == "idle"

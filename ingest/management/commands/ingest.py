@@ -108,7 +108,7 @@ class Command(BaseCommand):
             ),
         )
         stats = pipeline.stats
-        prober = liveness_prober(index)
+        prober = liveness_prober(index, stats)
         if options["metrics_port"] is not None:
             registry = CollectorRegistry()
             registry.register(IngestStatsCollector(stats))
@@ -233,13 +233,23 @@ EXPIRY_INTERVAL_SECONDS = 60.0
 """How often housekeeping looks for pods to expire."""
 
 
-def liveness_prober(index: KVIndex) -> LivenessProber | None:
+def quiet_pods(stats: IngestStats) -> set[str]:
+    """Registered pods ingest has had no KV event from for ``DASHBOARD_STALE_SECONDS``."""
+    heard: dict[str, float] = {}
+    for s in stats.streams():
+        heard[s.pod] = max(heard.get(s.pod, 0.0), s.last_event_at)
+    quiet_since = time.time() - settings.DASHBOARD_STALE_SECONDS
+    return {pod for pod in service_config().pods if heard.get(pod, 0.0) < quiet_since}
+
+
+def liveness_prober(index: KVIndex, stats: IngestStats) -> LivenessProber | None:
     """The pod prober of this process: it probes the registry's enabled pods that have an address
     and writes their health back (``KVCACHE_POD_*``); ``None`` when KVCACHE_POD_DOWN_SECONDS is 0."""
     if settings.KVCACHE_POD_DOWN_SECONDS <= 0:
         return None
     return LivenessProber(
         targets=lambda: probe_targets(service_config()),
+        quiet=lambda: quiet_pods(stats),
         index=index,
         on_change=set_pod_health,
         settings=LivenessSettings(
