@@ -125,6 +125,7 @@ bench: install bench-deps
 	$(PY) bench/index_slices.py
 	$(PY) bench/hostile.py
 	$(PY) bench/faults.py
+	$(PY) bench/gateway.py
 
 freeze:
 	$(BIN)/pip freeze | grep -v '^-e' > requirements.txt
