@@ -104,6 +104,24 @@ def wait_for(condition: Callable[[], object], *, timeout: float, what: str, ever
     return time.monotonic() - started
 
 
+def project_env(tmp: Path, redis_url: str, **extra: str) -> dict[str, str]:
+    """The environment of this project's processes in a benchmark: a Valkey index and a
+    database and var directory of their own under ``tmp``, the captures' hash seed; the
+    database migrated."""
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "KVCACHE_INDEX_BACKEND": "redis",
+        "DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}",
+        "KVCACHE_VAR_DIR": str(tmp),
+        "KVCACHE_HASH_SEED": SEED,
+        "DJANGO_SETTINGS_MODULE": "kvsite.settings",
+        **extra,
+    }
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
+    return env
+
+
 class Valkey:
     """A Valkey server on a fixed port without persistence: a restart comes back empty."""
 
@@ -165,17 +183,7 @@ class FaultSystem:
         self.tmp = tmp or Path(tempfile.mkdtemp(prefix="kvfaults-"))
         self._own_tmp = tmp is None
         self.valkey = Valkey()
-        self.env = {
-            **os.environ,
-            "REDIS_URL": self.valkey.url,
-            "KVCACHE_INDEX_BACKEND": "redis",
-            "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}",
-            "KVCACHE_VAR_DIR": str(self.tmp),
-            "KVCACHE_HASH_SEED": SEED,
-            "DJANGO_SETTINGS_MODULE": "kvsite.settings",
-            "KVCACHE_REPLAY_TIMEOUT_SECONDS": "2",
-        }
-        self.manage("migrate", "-v", "0")
+        self.env = project_env(self.tmp, self.valkey.url, KVCACHE_REPLAY_TIMEOUT_SECONDS="2")
         self.ingest_port = free_port()
         self.ingest: subprocess.Popen | None = None
         self.index = open_index(self.valkey.url, socket_timeout=5)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.faults import SEED, Valkey, free_port, free_port_range, wait_for  # noqa: E402
+from bench.faults import Valkey, free_port, free_port_range, project_env, wait_for  # noqa: E402
 from bench.machine import machine  # noqa: E402
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -48,18 +47,7 @@ class Stack:
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvgateway-"))
         self.valkey = Valkey()
-        self.env = {
-            **os.environ,
-            "REDIS_URL": self.valkey.url,
-            "KVCACHE_INDEX_BACKEND": "redis",
-            "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}",
-            "KVCACHE_VAR_DIR": str(self.tmp),
-            "KVCACHE_HASH_SEED": SEED,
-            "DJANGO_SETTINGS_MODULE": "kvsite.settings",
-            "KVCACHE_POD_DOWN_SECONDS": "0",
-        }
-        manage = [sys.executable, "manage.py"]
-        subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=self.env, check=True)
+        self.env = project_env(self.tmp, self.valkey.url, KVCACHE_POD_DOWN_SECONDS="0")
         ingest_port = free_port()
         self.pod_port = free_port_range(2)
         self.procs = [

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import sqlite3
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 import zmq  # noqa: E402
 
-from bench.faults import SEED, Valkey, free_port, wait_for  # noqa: E402
+from bench.faults import SEED, Valkey, free_port, project_env, wait_for  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, encode_message  # noqa: E402
 from scoring.index import open_index  # noqa: E402
@@ -53,19 +52,7 @@ class Ingest:
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvhostile-"))
         self.valkey = Valkey()
-        self.env = {
-            **os.environ,
-            "REDIS_URL": self.valkey.url,
-            "KVCACHE_INDEX_BACKEND": "redis",
-            "DATABASE_URL": f"sqlite:///{self.tmp / 'db.sqlite3'}",
-            "KVCACHE_VAR_DIR": str(self.tmp),
-            "KVCACHE_HASH_SEED": SEED,
-            "DJANGO_SETTINGS_MODULE": "kvsite.settings",
-            "KVCACHE_POD_DOWN_SECONDS": "0",
-        }
-        subprocess.run(
-            [sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=self.env, check=True
-        )
+        self.env = project_env(self.tmp, self.valkey.url, KVCACHE_POD_DOWN_SECONDS="0")
         self.port = free_port()
         self.proc = subprocess.Popen(
             [
