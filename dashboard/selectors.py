@@ -7,9 +7,11 @@ from __future__ import annotations
 import logging
 import threading
 
+import httpx
 import redis
 from django.conf import settings
 from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard.fleet import RegistryPod, ScoreCounters
 from scoring.index.base import IndexUnavailable, PodBlocks
@@ -54,6 +56,39 @@ def index_resyncing() -> list[str]:
         return resyncing_models()
     except IndexUnavailable:
         return []
+
+
+GATEWAY_SCRAPE_TIMEOUT_SECONDS = 0.5
+
+
+def gateway_counters() -> ScoreCounters | None:
+    """Requests the gateways (``KVCACHE_GATEWAY_URLS``) routed and those that went to a pod
+    holding their prefix, summed over the gateways that answered their ``/metrics``; None when
+    none is configured or none answered."""
+    requests = hits = None
+    for url in settings.KVCACHE_GATEWAY_URLS:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=GATEWAY_SCRAPE_TIMEOUT_SECONDS).text
+        except httpx.HTTPError:
+            continue
+        requests, hits = requests or 0.0, hits or 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "kvcache_gateway_requests_total":
+                    requests += sample.value
+                elif sample.name == "kvcache_gateway_prefix_hits_total":
+                    hits += sample.value
+    return None if requests is None else ScoreCounters(requests=requests, hits=hits)
+
+
+def routing_counters(registry: CollectorRegistry = REGISTRY) -> ScoreCounters | None:
+    """This process's scoring API and the gateways together: every request a prefix was looked
+    up for, and those that found one."""
+    parts = [c for c in (scoring_counters(registry), gateway_counters()) if c is not None]
+    if not parts:
+        return None
+    hits = [c.hits for c in parts if c.hits is not None]
+    return ScoreCounters(requests=sum(c.requests for c in parts), hits=sum(hits) if hits else None)
 
 
 def scoring_counters(registry: CollectorRegistry = REGISTRY) -> ScoreCounters | None:

@@ -307,6 +307,8 @@ class GatewayApp:
                 elif self.policy.source == "memory":
                     self.memory.record(model, keys, pod, now=time.monotonic())
                 metrics.MATCHED.labels(policy).inc(candidate.matched)
+                if candidate.matched:
+                    metrics.HITS.labels(policy).inc()
                 metrics.BLOCKS.labels(policy).inc(len(keys))
                 outcome = await self._relay(response, receive, send, candidate, sent)
                 metrics.REQUESTS.labels(policy, pod, outcome).inc()

@@ -32,6 +32,12 @@ RETRIES = Counter(
     ["policy", "reason"],
     registry=REGISTRY,
 )
+HITS = Counter(
+    "kvcache_gateway_prefix_hits",
+    "Requests routed to a pod known to hold at least their first block.",
+    ["policy"],
+    registry=REGISTRY,
+)
 MATCHED = Counter(
     "kvcache_gateway_matched_blocks",
     "Blocks of routed requests the chosen pod was known to hold (index or speculative).",

@@ -25,6 +25,7 @@
 | KVCACHE_GATEWAY_ALPHA | 0.1 | kv-load: the weight of one in-flight request against a whole prefix hit |
 | KVCACHE_SPECULATIVE_SECONDS | 2.0 | a routed request's blocks count as held by its pod this long |
 | KVCACHE_GATEWAY_RETRIES | 2 | next pods tried after a connect error or a 5xx before the first byte |
+| KVCACHE_GATEWAY_URLS | "" (none) | gateways whose routed requests the dashboard counts as scoring traffic |
 | KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
 | KVCACHE_REQUEST_TEMPLATES | true | accept ``chat_template`` in scoring requests (rendered in a sandbox) |
@@ -225,6 +226,8 @@ KVCACHE_GATEWAY_ALPHA = float(os.environ.get("KVCACHE_GATEWAY_ALPHA", "0.1"))
 KVCACHE_SPECULATIVE_SECONDS = float(os.environ.get("KVCACHE_SPECULATIVE_SECONDS", "2.0"))
 # next pods tried after a connect error or a 5xx before the first byte
 KVCACHE_GATEWAY_RETRIES = int(os.environ.get("KVCACHE_GATEWAY_RETRIES", "2"))
+# The gateways whose /metrics the dashboard adds to its scoring traffic (requests/s, hit rate).
+KVCACHE_GATEWAY_URLS = [url.rstrip("/") for url in env_list("KVCACHE_GATEWAY_URLS")]
 
 # --- replay of missed KV-event batches (ingest/replay.py, ingest/resync.py) ---------------------
 KVCACHE_REPLAY_TIMEOUT_SECONDS = float(os.environ.get("KVCACHE_REPLAY_TIMEOUT_SECONDS", "2.0"))

@@ -3,12 +3,14 @@ ingest snapshots in Redis, a Prometheus registry."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from dashboard import selectors
 from dashboard.sampler import LOG_SIZE, FleetSampler
@@ -140,6 +142,38 @@ def test_frames_are_shared_within_the_interval(index):
     first = sampler.frame()
     store(index, "late", 1)
     assert sampler.frame() is first
+
+
+@pytest.mark.django_db
+def test_the_gateways_routed_requests_count_as_scoring_traffic(index, settings):
+    from gateway import metrics as gateway_metrics
+
+    class Exposition(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # a gateway's /metrics, as its registry renders it
+            body = generate_latest(gateway_metrics.REGISTRY)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    settings.KVCACHE_GATEWAY_URLS = [f"http://127.0.0.1:{server.server_address[1]}", "http://127.0.0.1:9"]
+    try:
+        sampler = make_sampler()
+        sampler.frame()
+        gateway_metrics.REQUESTS.labels("kv-load", "sim-0", "ok").inc(10)
+        gateway_metrics.HITS.labels("kv-load").inc(4)
+        totals = sampler.frame()["totals"]
+        assert totals["scoring_available"] is True
+        assert totals["score_requests_per_s"] > 0
+        assert totals["hit_rate"] == pytest.approx(0.4)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.django_db
