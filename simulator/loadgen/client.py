@@ -175,19 +175,7 @@ async def stream_completion(
     served = ServedBy()
 
     def failed(error: str) -> Completion:
-        return Completion(
-            ok=False,
-            status=status,
-            ttft=ttft,
-            e2e=clock() - start,
-            output_tokens=len(parts),
-            prompt_tokens=None,
-            cached_tokens=None,
-            text="".join(parts),
-            error=error,
-            pod=served.pod,
-            matched_blocks=served.matched_blocks,
-        )
+        return _failed(status, ttft, clock() - start, "".join(parts), len(parts), error, served)
 
     def finished() -> Completion:
         return _finished(status, ttft, clock() - start, "".join(parts), len(parts), usage, served)
@@ -241,19 +229,7 @@ async def fetch_completion(
     served = ServedBy()
 
     def failed(error: str) -> Completion:
-        return Completion(
-            ok=False,
-            status=status,
-            ttft=None,
-            e2e=clock() - start,
-            output_tokens=0,
-            prompt_tokens=None,
-            cached_tokens=None,
-            text="",
-            error=error,
-            pod=served.pod,
-            matched_blocks=served.matched_blocks,
-        )
+        return _failed(status, None, clock() - start, "", 0, error, served)
 
     try:
         response = await client.post(url, json=body)
@@ -273,6 +249,30 @@ async def fetch_completion(
     text = text if isinstance(text, str) else ""
     usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
     return _finished(status, None, clock() - start, text, int(bool(text)), usage, served)
+
+
+def _failed(
+    status: int | None,
+    ttft: float | None,
+    e2e: float,
+    text: str,
+    output_tokens: int,
+    error: str,
+    served: ServedBy,
+) -> Completion:
+    return Completion(
+        ok=False,
+        status=status,
+        ttft=ttft,
+        e2e=e2e,
+        output_tokens=output_tokens,
+        prompt_tokens=None,
+        cached_tokens=None,
+        text=text,
+        error=error,
+        pod=served.pod,
+        matched_blocks=served.matched_blocks,
+    )
 
 
 def _finished(
