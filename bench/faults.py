@@ -21,7 +21,6 @@ For each fault, under that load:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -47,7 +46,7 @@ import redis  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from scoring.index import open_index  # noqa: E402
 from simulator.config import EngineConfig, LatencyConfig, PodConfig  # noqa: E402
-from simulator.fleet import Fleet, FleetConfig, PublishConfig  # noqa: E402
+from simulator.fleet import Fleet, FleetConfig, FleetThread, PublishConfig  # noqa: E402
 from simulator.pod import PodTokenizer  # noqa: E402
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -256,14 +255,9 @@ class FaultSystem:
         from scoring.tokenization import TokenizerRegistry
 
         self.fleet = Fleet(config, tokenizer=PodTokenizer(TokenizerRegistry(), MODEL), graceful_timeout=0.5)
-        self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="fleet", daemon=True)
-        self._loop_thread.start()
-        self.on_loop(self.fleet.start(), timeout=60)
+        self._running = FleetThread(self.fleet, start_timeout=60)
+        self.on_loop = self._running.call
         self.urls = {p.pod_id: p.url for p in self.fleet.pods}
-
-    def on_loop(self, coroutine, *, timeout: float = 10):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     # --- load --------------------------------------------------------------------------------
 
@@ -365,9 +359,7 @@ class FaultSystem:
                 self.ingest.wait(10)
             except subprocess.TimeoutExpired:
                 self.ingest.kill()
-        self.on_loop(self.fleet.stop(), timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._loop_thread.join(10)
+        self._running.close()
         self.index.close()
         self.valkey.stop()
         if self._own_tmp:

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import threading
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -247,3 +248,25 @@ class Fleet:
             self._context.term()
         self.pods, self._replay_tasks, self._sockets, self._publishers = [], [], [], []
         self._context = None
+
+
+class FleetThread:
+    """A fleet served from an event loop in a thread of its own, so the caller's thread may block
+    (tests, benchmarks): started at once, ``call`` runs a coroutine on its loop, ``close`` stops it."""
+
+    def __init__(self, fleet: Fleet, *, start_timeout: float = 30.0) -> None:
+        self.fleet = fleet
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fleet", daemon=True)
+        self.thread.start()
+        self.call(fleet.start(), timeout=start_timeout)
+
+    def call(self, coroutine, timeout: float = 10.0):
+        """Run ``coroutine`` on the fleet's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.call(self.fleet.stop(), timeout=30.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

@@ -6,9 +6,7 @@ that evictions (BlockRemoved) happen all the time.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import threading
 from collections.abc import Iterator
 
 import httpx
@@ -19,7 +17,7 @@ from scoring.config import ServiceConfig
 from scoring.keys import block_keys
 from scoring.scorer import longest_prefix_scores
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
-from simulator.fleet import Fleet, FleetConfig, PublishConfig
+from simulator.fleet import Fleet, FleetConfig, FleetThread, PublishConfig
 from simulator.pod import PodTokenizer
 from tests.ingest.conftest import Harness, wait_until
 
@@ -76,17 +74,12 @@ class RunningFleet:
             pod=pod, pods=PODS, base_port=0, publish=PublishConfig(endpoint=events_endpoint, layout="map")
         )
         self.fleet = Fleet(config, tokenizer=tokenizer, graceful_timeout=0.5)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.fleet.start(), self.loop).result(30)
+        self._running = FleetThread(self.fleet)
         self.urls = {p.pod_id: p.url for p in self.fleet.pods}
         self.publishers = {p.pod_id: p.publishers[0] for p in self.fleet.pods}
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.fleet.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        self._running.close()
 
 
 def applied(harness: Harness, fleet: RunningFleet, pod: str) -> None:

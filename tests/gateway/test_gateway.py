@@ -21,7 +21,7 @@ from scoring.index import open_index
 from scoring.snapshot import ConfigSource
 from scoring.tokenization import TokenizerRegistry
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
-from simulator.fleet import Fleet, FleetConfig, PublishConfig
+from simulator.fleet import Fleet, FleetConfig, FleetThread, PublishConfig
 from simulator.pod import PodTokenizer
 from tests.ingest.conftest import Harness
 from tests.servers import wait_until
@@ -73,10 +73,7 @@ class System:
             tokenizer=tokenizer,
             graceful_timeout=0.5,
         )
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.fleet.start(), self.loop).result(30)
+        self._running = FleetThread(self.fleet)
         self.addresses = {p.pod_id: p.url.removeprefix("http://") for p in self.fleet.pods}
         self.extra: dict[str, str] = {}  # more pods: pod -> address
         self.gateways: list[Served] = []
@@ -120,9 +117,7 @@ class System:
     def close(self) -> None:
         for served in self.gateways:
             served.stop()
-        asyncio.run_coroutine_threadsafe(self.fleet.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self._running.close()
         self.harness.close()
         self.index.close()
 

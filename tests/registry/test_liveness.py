@@ -34,6 +34,7 @@ from scoring.services import expire_pods, save_pod, set_pod_health
 from scoring.tokenization import TokenizerRegistry
 from simulator.config import LatencyConfig
 from simulator.fleet import Fleet, FleetConfig, PublishConfig
+from simulator.fleet import FleetThread as BaseFleetThread
 from simulator.pod import PodTokenizer
 from simulator.server import create_app
 from tests.servers import free_port, wait_until
@@ -53,18 +54,8 @@ class _Server(uvicorn.Server):
         yield
 
 
-class FleetThread:
-    """A simulated fleet serving from an event loop of its own, so the test's thread may block."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(fleet.start())
-
-    def call(self, coroutine, timeout: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+class FleetThread(BaseFleetThread):
+    """The shared fleet thread, plus taking one pod's HTTP server down and up again."""
 
     def address(self, i: int) -> str:
         return f"127.0.0.1:{self.fleet.pods[i].port}"
@@ -94,12 +85,6 @@ class FleetThread:
                 await asyncio.sleep(0.01)
 
         self.call(start())
-
-    def close(self) -> None:
-        self.call(self.fleet.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
 
 
 class HangingServer:
