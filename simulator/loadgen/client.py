@@ -33,6 +33,9 @@ WAITING = "vllm:num_requests_waiting"
 # Response headers of a router in front of the fleet (our gateway sets them): the pod that
 # served the request and the blocks of its prompt that the index predicted that pod holds.
 POD_HEADER = "x-kvcache-pod"
+SIMULATED_POD_HEADER = "x-simulated-pod"
+"""What a simulated pod names itself by: routers that pass upstream headers through (the peers)
+name the pod with it when they set no pod header of their own."""
 MATCHED_BLOCKS_HEADER = "x-kvcache-matched-blocks"
 
 
@@ -136,7 +139,7 @@ class ServedBy:
 
     @classmethod
     def from_headers(cls, headers: httpx.Headers) -> ServedBy:
-        pod = headers.get(POD_HEADER, "").strip() or None
+        pod = (headers.get(POD_HEADER, "") or headers.get(SIMULATED_POD_HEADER, "")).strip() or None
         raw = headers.get(MATCHED_BLOCKS_HEADER, "").strip()
         matched = int(raw) if raw.isdigit() else None
         return cls(pod=pod, matched_blocks=matched)

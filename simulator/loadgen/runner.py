@@ -71,7 +71,10 @@ class LoadgenConfig:
     requests in flight from loadgen; arrivals beyond it wait (that wait is not in TTFT).
     ``target`` (a base URL, see :func:`parse_target`) sends every request there instead of to a
     pod loadgen chooses; ``pods`` are then optional and ``label`` names the runs (default
-    ``target:<url>``). ``stream`` False asks for one JSON answer per request (no TTFT then).
+    ``target:<url>``). ``replicas`` are more base URLs of the same router (its other replicas):
+    request *i* goes to the target for i mod (1 + replicas) = 0, else to that replica, as a
+    round-robin load balancer in front of the replicas would send it. ``stream`` False asks for
+    one JSON answer per request (no TTFT then).
     ``block_size`` (tokens per KV block) turns a target's ``x-kvcache-matched-blocks`` into
     predicted cached tokens.
     """
@@ -92,6 +95,7 @@ class LoadgenConfig:
     settle: float = 1.0
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     target: str | None = None
+    replicas: tuple[str, ...] = ()
     label: str | None = None
     stream: bool = True
     block_size: int = 16
@@ -101,6 +105,9 @@ class LoadgenConfig:
             raise ValueError("no pods: give a base URL and a pod count, or pods one by one")
         if self.target is not None:
             object.__setattr__(self, "target", parse_target(self.target))  # frozen: normalise once
+        if self.replicas and self.target is None:
+            raise ValueError("replicas are more URLs of a target: give the target too")
+        object.__setattr__(self, "replicas", tuple(parse_target(url) for url in self.replicas))
         if self.label is not None and (self.target is None or not self.label.strip()):
             raise ValueError("a label names a target's runs: give it with a target, not empty")
         if self.concurrency < 1 or self.max_tokens < 1 or self.block_size < 1:
@@ -119,10 +126,15 @@ class LoadgenConfig:
             return None
         return self.label or f"target:{self.target}"
 
-    def endpoint(self, pod: str | None = None) -> str:
-        """The completions URL: the target's when there is one (``pod`` is ignored), else the pod's."""
+    def endpoint(self, pod: str | None = None, *, seq: int = 0) -> str:
+        """The completions URL: the target's (or, for request ``seq``, its replica's) when there
+        is one (``pod`` is ignored), else the pod's."""
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
-        base = self.target if self.target is not None else self.pods[pod]
+        if self.target is not None:
+            bases = (self.target, *self.replicas)
+            base = bases[seq % len(bases)]
+        else:
+            base = self.pods[pod]
         return f"{base}{path}"
 
 
@@ -358,7 +370,7 @@ class _Run:
         self.lookup.forget(request)
         sent = time.perf_counter()
         if chosen is None:
-            completion = await send_completion(self.client, config.endpoint(), body)
+            completion = await send_completion(self.client, config.endpoint(seq=turn.seq), body)
         else:
             self.in_flight.start(chosen)
             try:

@@ -264,6 +264,10 @@ def test_served_by_reads_the_routers_headers():
     assert ServedBy.from_headers(httpx.Headers()) == ServedBy()
     garbled = httpx.Headers({"x-kvcache-pod": " ", "x-kvcache-matched-blocks": "-1"})
     assert ServedBy.from_headers(garbled) == ServedBy()
+    # A peer router passes the simulated pod's own header through; ours wins when both are there.
+    assert ServedBy.from_headers(httpx.Headers({"X-Simulated-Pod": "sim-4"})) == ServedBy(pod="sim-4")
+    both = httpx.Headers({"x-kvcache-pod": "sim-1", "x-simulated-pod": "sim-4"})
+    assert ServedBy.from_headers(both).pod == "sim-1"
 
 
 def test_predicted_cached_tokens_follow_vllm():
@@ -286,3 +290,17 @@ def test_a_router_run_summary_keeps_its_shape():
     assert summary["target"] is None and summary["pod_source"] == "router"
     assert summary["pod_requests"] == {"sim-0": 1} and summary["pod_unknown_requests"] == 0
     assert pod_lines(summary) == []
+
+
+def test_replicas_of_a_target_take_requests_in_turn():
+    config = LoadgenConfig(target="http://g:1", replicas=("http://g:2/",), chat=False)
+    assert config.replicas == ("http://g:2",)
+    assert [config.endpoint(seq=i) for i in range(3)] == [
+        "http://g:1/v1/completions",
+        "http://g:2/v1/completions",
+        "http://g:1/v1/completions",
+    ]
+    with pytest.raises(ValueError, match="replicas"):
+        LoadgenConfig(pods={"sim-0": "http://p:1"}, replicas=("http://g:2",))
+    with pytest.raises(ValueError):
+        LoadgenConfig(target="http://g:1", replicas=("http://g:2/v1",))
