@@ -1,9 +1,10 @@
 """The dashboard's websocket: staff only, one JSON message a push interval, no client input.
 
 Messages sent: first ``{"type": "history", ...}`` (the charts' columns so far), then every
-``DASHBOARD_PUSH_SECONDS`` a ``{"type": "frame", ...}``: the fleet (``/ws/dashboard/``) or one
-pod with its activity log (``/ws/dashboard/pods/<pod>/``). The consumer also joins the group
-ingest processes send their snapshots to, and hands each snapshot to this process's sampler.
+``DASHBOARD_PUSH_SECONDS`` a ``{"type": "frame", ...}``: the fleet and its gateways
+(``/ws/dashboard/``) or one pod with its activity log (``/ws/dashboard/pods/<pod>/``). The
+consumer also joins the group ingest processes send their snapshots to, and hands each snapshot
+to this process's sampler.
 """
 
 from __future__ import annotations

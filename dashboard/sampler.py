@@ -6,8 +6,10 @@ Ingest snapshots arrive as channel-layer messages (each ingest process sends one
 group has been silent for a while (this process just started, or the channel layer is down) the
 same snapshots are read from Redis instead. Frames (rows, totals) are built at most once per
 ``min_interval`` however many dashboards are open, and each build appends a point to a bounded
-history. History and activity logs live in memory: they cover the time since this process first
-served a dashboard, up to ``history_seconds`` back.
+history and scrapes the gateways (``KVCACHE_GATEWAY_URLS``), keeping each one's scrapes of the last
+``gateway_window`` seconds for its recent numbers. History, activity logs and gateway scrapes live
+in memory: they cover the time since this process first served a dashboard, up to
+``history_seconds`` (``gateway_window``) back.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dashboard.fleet import (
     pod_rows,
     rates_between,
 )
+from dashboard.gateways import GatewayScrape, gateway_row
 from scoring.index.base import PodBlocks
 from scoring.streams import STALE_AFTER_SECONDS
 
@@ -40,6 +43,9 @@ LOG_SIZE = 50
 
 CHART_PODS = 8
 """Pods with the most blocks whose block counts the fleet history carries."""
+
+GATEWAY_WINDOW_SECONDS = 60.0
+"""How far back a gateway's recent numbers (rates, hit rate, TTFT and overhead quantiles) reach."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +67,8 @@ class FleetSampler:
     """``min_interval``: a frame younger than this is reused. ``history_seconds``: how far back
     history goes. ``stale_after``: seconds without an event before a pod is stale.
     ``group_silence``: seconds without a channel-layer delivery before Redis is read instead.
-    ``metrics``: where the scoring counters are read (``selectors.scoring_counters``)."""
+    ``metrics``: where the scoring counters are read (``selectors.scoring_counters``).
+    ``gateway_window``: seconds of gateway scrapes kept for their recent numbers."""
 
     def __init__(
         self,
@@ -71,12 +78,14 @@ class FleetSampler:
         stale_after: float,
         group_silence: float = 3.0,
         metrics: CollectorRegistry = REGISTRY,
+        gateway_window: float = GATEWAY_WINDOW_SECONDS,
     ) -> None:
         self.min_interval = min_interval
         self.history_seconds = history_seconds
         self.stale_after = stale_after
         self.group_silence = group_silence
         self.metrics = metrics
+        self.gateway_window = gateway_window
         # Rates of a process that stopped publishing are no longer current.
         self.rates_fresh_for = max(3.0, 3 * min_interval)
         self._lock = threading.Lock()  # guards the state below (observe runs on the event loop)
@@ -88,6 +97,7 @@ class FleetSampler:
         self._frame: dict | None = None
         self._frame_built_at = float("-inf")
         self._score: tuple[float, ScoreCounters] | None = None
+        self._gateway_scrapes: dict[str, deque[GatewayScrape]] = {}  # url -> the window's, oldest first
 
     # --- input ---------------------------------------------------------------------------------
 
@@ -120,9 +130,10 @@ class FleetSampler:
     # --- output --------------------------------------------------------------------------------
 
     def frame(self) -> dict:
-        """The current fleet: ``{"at", "totals", "pods": [row, ...]}`` (``fleet.pod_rows`` and
-        ``fleet.fleet_totals``), rebuilt when older than ``min_interval``. Blocking I/O (the
-        registry, the index, maybe Redis): call it from a thread."""
+        """The current fleet: ``{"at", "totals", "pods": [row, ...], "gateways": [row, ...]}``
+        (``fleet.pod_rows``, ``fleet.fleet_totals``, ``gateways.gateway_row`` in the order of
+        ``KVCACHE_GATEWAY_URLS``), rebuilt when older than ``min_interval``. Blocking I/O (the
+        registry, the index, maybe Redis, the gateways): call it from a thread."""
         with self._build_lock:
             if self._frame is not None and time.monotonic() - self._frame_built_at < self.min_interval:
                 return self._frame
@@ -132,7 +143,8 @@ class FleetSampler:
             registry = selectors.registry_pods()
             blocks = selectors.index_blocks()
             resyncing = selectors.index_resyncing() if blocks is not None else []
-            score_counters = selectors.routing_counters(self.metrics)
+            gateway_scrapes = selectors.scrape_gateways()
+            score_counters = selectors.routing_counters(self.metrics, gateways=gateway_scrapes)
             now = time.time()
             with self._lock:
                 frame = self._build(
@@ -141,6 +153,7 @@ class FleetSampler:
                     blocks=blocks,
                     score_counters=score_counters,
                     resyncing=resyncing,
+                    gateway_scrapes=gateway_scrapes,
                 )
             self._frame, self._frame_built_at = frame, time.monotonic()
             return frame
@@ -153,6 +166,7 @@ class FleetSampler:
         blocks: list[PodBlocks] | None,
         score_counters: ScoreCounters | None,
         resyncing: list[str] = (),
+        gateway_scrapes: list[GatewayScrape] = (),
     ) -> dict:
         for instance, seen in list(self._instances.items()):
             if now - seen.at > STALE_AFTER_SECONDS:
@@ -205,7 +219,19 @@ class FleetSampler:
         )
         while self._history and self._history[0]["t"] < now - self.history_seconds:
             self._history.popleft()
-        return {"at": now, "totals": totals, "pods": rows}
+        return {"at": now, "totals": totals, "pods": rows, "gateways": self._gateway_rows(gateway_scrapes)}
+
+    def _gateway_rows(self, scrapes: list[GatewayScrape]) -> list[dict]:
+        """Each gateway's row from its scrapes of the last ``gateway_window`` seconds, this
+        one's included (gateways no longer configured are forgotten)."""
+        windows = {}
+        for scrape in scrapes:
+            window = windows[scrape.url] = self._gateway_scrapes.get(scrape.url, deque())
+            window.append(scrape)
+            while window[0].at < scrape.at - self.gateway_window:
+                window.popleft()
+        self._gateway_scrapes = windows
+        return [gateway_row(windows[s.url]) for s in scrapes]
 
     def fleet_history(self, *, pods: int = CHART_PODS) -> dict:
         """Columns for the fleet charts: times, fleet series, and the block counts of the

@@ -1,19 +1,22 @@
 """Reads the dashboard makes of the rest of the system: the registry, the index, the ingest
-snapshots shared through Redis, and the scoring API's Prometheus counters. Each returns plain
-values (``dashboard.fleet`` types); none writes."""
+snapshots shared through Redis, the scoring API's Prometheus counters and the gateways'
+``/metrics``. Each returns plain values (``dashboard.fleet`` and ``dashboard.gateways`` types);
+none writes."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Iterable
 
 import httpx
 import redis
 from django.conf import settings
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard.fleet import RegistryPod, ScoreCounters
+from dashboard.gateways import GatewayScrape, gateway_traffic, parse_gateway_metrics
 from scoring.index.base import IndexUnavailable, PodBlocks
 from scoring.models import Pod
 from scoring.runtime import get_index, resyncing_models
@@ -61,30 +64,35 @@ def index_resyncing() -> list[str]:
 GATEWAY_SCRAPE_TIMEOUT_SECONDS = 0.5
 
 
-def gateway_counters() -> ScoreCounters | None:
-    """Requests the gateways (``KVCACHE_GATEWAY_URLS``) routed and those that went to a pod
-    holding their prefix, summed over the gateways that answered their ``/metrics``; None when
-    none is configured or none answered."""
-    requests = hits = None
+def scrape_gateways() -> list[GatewayScrape]:
+    """One scrape of the ``/metrics`` of each gateway in ``KVCACHE_GATEWAY_URLS``, in that
+    order. A gateway that cannot be reached, answers other than 200 or not with Prometheus text
+    is a scrape without counters that says why."""
+    scrapes = []
     for url in settings.KVCACHE_GATEWAY_URLS:
+        at, counters, error = time.time(), None, None
         try:
-            text = httpx.get(f"{url}/metrics", timeout=GATEWAY_SCRAPE_TIMEOUT_SECONDS).text
-        except httpx.HTTPError:
-            continue
-        requests, hits = requests or 0.0, hits or 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "kvcache_gateway_requests_total":
-                    requests += sample.value
-                elif sample.name == "kvcache_gateway_prefix_hits_total":
-                    hits += sample.value
-    return None if requests is None else ScoreCounters(requests=requests, hits=hits)
+            response = httpx.get(f"{url}/metrics", timeout=GATEWAY_SCRAPE_TIMEOUT_SECONDS)
+        except httpx.HTTPError as e:
+            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        else:
+            if response.status_code != 200:
+                error = f"/metrics answered HTTP {response.status_code}"
+            else:
+                try:
+                    counters = parse_gateway_metrics(response.text)
+                except ValueError as e:
+                    error = f"/metrics is not Prometheus text: {e}"
+        scrapes.append(GatewayScrape(url=url, at=at, counters=counters, error=error))
+    return scrapes
 
 
-def routing_counters(registry: CollectorRegistry = REGISTRY) -> ScoreCounters | None:
-    """This process's scoring API and the gateways together: every request a prefix was looked
-    up for, and those that found one."""
-    parts = [c for c in (scoring_counters(registry), gateway_counters()) if c is not None]
+def routing_counters(
+    registry: CollectorRegistry = REGISTRY, *, gateways: Iterable[GatewayScrape] = ()
+) -> ScoreCounters | None:
+    """This process's scoring API and the gateways (their scrapes) together: every request a
+    prefix was looked up for, and those that found one."""
+    parts = [c for c in (scoring_counters(registry), gateway_traffic(gateways)) if c is not None]
     if not parts:
         return None
     hits = [c.hits for c in parts if c.hits is not None]

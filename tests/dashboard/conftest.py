@@ -1,12 +1,17 @@
 """Dashboard fixtures: users with sessions, a fast push interval, the in-memory channel layer,
-and a websocket client that goes through the real ASGI stack (origin check, session auth)."""
+a websocket client that goes through the real ASGI stack (origin check, session auth), and a
+gateway's ``/metrics`` served over real HTTP."""
 
 from __future__ import annotations
 
 import asyncio
+import http.server
+import importlib.util
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from channels.testing import WebsocketCommunicator
@@ -15,6 +20,7 @@ from django.test import Client
 
 from dashboard import sampler
 from dashboard.fleet import COUNTERS
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PUSH_SECONDS = 0.1
@@ -114,3 +120,58 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def fresh_gateway_metrics() -> ModuleType:
+    """A fresh copy of ``gateway/metrics.py``: the gateway's counters and buckets, counting from
+    zero (the module's own are shared by every test of the session)."""
+    spec = importlib.util.find_spec("gateway.metrics")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class GatewayMetrics:
+    """A gateway's ``/metrics`` over real HTTP, served by ``exposition`` of a fresh copy of
+    ``gateway/metrics.py``. Count on ``metrics`` as the gateway would, e.g.
+    ``metrics.REQUESTS.labels(policy, pod, outcome).inc()``."""
+
+    def __init__(self) -> None:
+        self.metrics = fresh_gateway_metrics()
+        exposition = self.metrics.exposition
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body, content_type = exposition() if self.path == "/metrics" else (b"", "text/plain")
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.closed = False
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop answering: from now on the gateway cannot be reached."""
+        if not self.closed:
+            self.server.shutdown()
+            self.server.server_close()
+            self.closed = True
+
+
+@pytest.fixture
+def gateway_metrics() -> Iterator[GatewayMetrics]:
+    served = GatewayMetrics()
+    yield served
+    served.close()
+
+
+def unreachable_url() -> str:
+    """A loopback port nothing listens on (connections are refused)."""
+    return f"http://127.0.0.1:{free_port()}"

@@ -1,8 +1,9 @@
 """End to end in a real browser: a real ``manage.py serve`` and a real
 ``manage.py ingest`` on the test Redis, Debian's headless Chromium driven by Playwright, KV events
-published over ZeroMQ. What a person would see: log in through the admin login, watch a pod's
-block count change on the fleet page within 3 seconds, keep watching across a web server restart,
-open the pod's page."""
+published over ZeroMQ, a gateway's ``/metrics`` served over HTTP. What a person would see: log in
+through the admin login, read the gateways' policy, decisions and latencies (and which gateway
+cannot be reached), watch a pod's block count change on the fleet page within 3 seconds, keep
+watching across a web server restart, open the pod's page."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import zmq
 from playwright.sync_api import expect, sync_playwright
 
 from ingest.events import BlockRemoved, encode_batch, encode_message
-from tests.dashboard.conftest import ROOT, Process
+from tests.dashboard.conftest import ROOT, Process, unreachable_url
 from tests.events import stored_event
 from tests.ingest.conftest import MODEL
 from tests.servers import free_port, service_env
@@ -54,12 +55,18 @@ def wait_for_http(url: str, *, process: Process, timeout: float = 30.0) -> None:
 
 
 @pytest.fixture
-def stack(tmp_path, redis_url) -> Iterator[dict]:
+def stack(tmp_path, redis_url, gateway_metrics) -> Iterator[dict]:
     """Web (``manage.py serve``) and ingest processes sharing the test Redis (index and channel
-    layer)."""
+    layer); the web reads two gateways: one served by this test, one that cannot be reached."""
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: run `make system-deps`")
-    env = service_env(tmp_path, redis_url, DJANGO_SUPERUSER_PASSWORD=PASSWORD)
+    refused = unreachable_url()
+    env = service_env(
+        tmp_path,
+        redis_url,
+        DJANGO_SUPERUSER_PASSWORD=PASSWORD,
+        KVCACHE_GATEWAY_URLS=f"{gateway_metrics.url},{refused}",
+    )
     manage = [sys.executable, "manage.py"]
     subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
     subprocess.run(
@@ -88,7 +95,14 @@ def stack(tmp_path, redis_url) -> Iterator[dict]:
     base = f"http://127.0.0.1:{web_port}"
     try:
         wait_for_http(base + "/admin/login/", process=web)
-        yield {"base": base, "endpoint": f"tcp://127.0.0.1:{zmq_port}", "web": web, "ingest": ingest}
+        yield {
+            "base": base,
+            "endpoint": f"tcp://127.0.0.1:{zmq_port}",
+            "web": web,
+            "ingest": ingest,
+            "gateway": gateway_metrics,
+            "refused": refused,
+        }
     finally:
         web.stop()
         ingest.stop()
@@ -114,6 +128,38 @@ class Engine:
         self.context.term()
 
 
+def check_the_gateways(page, gateway, refused: str) -> None:
+    """What a kv-load gateway counted shows in its row and its decisions; the unreachable one
+    says so, with no numbers."""
+    counted = gateway.metrics
+    up = page.locator(f'#gateways tr[data-gateway="{gateway.url}"]')
+    expect(up.locator('[data-col="status"]')).to_have_text("reachable", timeout=5_000)
+    expect(up.locator('[data-col="policy"]')).to_have_text("not known before its first request")
+    counted.REQUESTS.labels("kv-load", "sim-0", "ok").inc(7)
+    counted.REQUESTS.labels("kv-load", "sim-1", "ok").inc(3)
+    counted.RETRIES.labels("kv-load", "connect").inc(1)
+    counted.HITS.labels("kv-load").inc(5)
+    for _ in range(10):
+        counted.TTFT.labels("kv-load").observe(0.3)
+    expect(up.locator('[data-col="policy"]')).to_have_text("kv-load", timeout=3_000)
+    expect(up.locator('[data-col="requests"]')).to_have_text("10")
+    expect(up.locator('[data-col="retries"]')).to_have_text("1 (connect 1)")
+    expect(up.locator('[data-col="outcomes"]')).to_have_text("ok 10")
+    expect(up.locator('[data-col="ttft_overall"]')).to_have_text("375 ms / 475 ms")
+    # the window's numbers: what was observed since the first scrape
+    expect(up.locator('[data-col="ttft"]')).to_have_text("375 ms / 475 ms", timeout=3_000)
+    expect(up.locator('[data-col="hit_rate"]')).to_have_text("50.0 % (50.0 %)")
+    decision = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-0"]')
+    expect(decision.locator('[data-col="requests"]')).to_have_text("7")
+    expect(decision.locator('[data-col="share"]')).to_have_text("70.0 %")
+
+    down = page.locator(f'#gateways tr[data-gateway="{refused}"]')
+    expect(down.locator('[data-col="status"]')).to_contain_text("unreachable")
+    expect(down.locator('[data-col="status"]')).to_contain_text("ConnectError")
+    expect(down.locator('[data-col="requests"]')).to_have_text("—")
+    expect(page.locator("#gateways-empty")).to_be_hidden()
+
+
 def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, tmp_path):
     engine = Engine(stack["endpoint"], "pod-e2e")
     with sync_playwright() as playwright:
@@ -130,6 +176,7 @@ def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, t
             expect(page).to_have_url(stack["base"] + "/dashboard/")
             connection = page.locator("#connection")
             expect(connection).to_have_text("Live", timeout=10_000)
+            check_the_gateways(page, stack["gateway"], stack["refused"])
 
             # ZeroMQ drops what a PUB sends before its subscription arrives: warm up with empty
             # batches until the pod shows up on the page.

@@ -15,7 +15,7 @@ from ingest.management.commands.ingest import Housekeeping
 from scoring.config import ServiceConfig
 from scoring.index import open_index
 from scoring.runtime import set_index
-from tests.dashboard.conftest import communicator, receive_until, session_cookie
+from tests.dashboard.conftest import communicator, receive_until, session_cookie, unreachable_url
 from tests.events import stored_event
 from tests.ingest.conftest import Harness
 
@@ -117,6 +117,37 @@ def test_staff_get_history_then_frames(staff_user, memory_index):
     assert frames[1]["at"] > frames[0]["at"]  # pushed again, not the same frame twice
     assert set(frames[0]["totals"]) == TOTALS_FIELDS
     assert frames[0]["pods"] == []
+    assert frames[0]["gateways"] == []  # none configured
+
+
+def test_the_fleet_frame_carries_the_gateways(staff_user, memory_index, settings, gateway_metrics):
+    refused = unreachable_url()
+    settings.KVCACHE_GATEWAY_URLS = [gateway_metrics.url, refused]
+    counted = gateway_metrics.metrics
+    counted.REQUESTS.labels("kv-load", "sim-0", "ok").inc(3)
+    counted.HITS.labels("kv-load").inc(3)
+    for _ in range(3):
+        counted.TTFT.labels("kv-load").observe(0.03)
+    cookie = session_cookie(staff_user)
+
+    async def scenario():
+        comm = communicator("/ws/dashboard/", cookie=cookie)
+        assert (await comm.connect())[0]
+        await comm.receive_json_from(timeout=5)  # history
+        # from the second scrape on there is a window, hence recent numbers
+        frame = await receive_until(
+            comm, lambda m: m["type"] == "frame" and m["gateways"][0]["window_seconds"]
+        )
+        await comm.disconnect()
+        return frame
+
+    up, down = async_to_sync(scenario)()["gateways"]
+    assert (up["url"], up["reachable"], up["policy"]) == (gateway_metrics.url, True, "kv-load")
+    assert (up["requests"], up["requests_per_s"], up["hit_rate_overall"]) == (3, 0.0, 1.0)
+    assert up["ttft_p50_overall"] == pytest.approx(0.025 + 0.025 * 1.5 / 3)
+    assert up["ttft_p50"] is None  # nothing observed in the window
+    assert up["pods"] == [{"pod": "sim-0", "requests": 3, "not_ok": 0, "share": 1.0, "requests_per_s": 0.0}]
+    assert (down["url"], down["reachable"], down["policy"], down["requests"]) == (refused, False, None, None)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from scoring.index.base import Store, StoredBlock
 from scoring.models import Pod
 from scoring.runtime import invalidate_service_config, set_index
 from scoring.streams import publish_snapshot
-from tests.dashboard.conftest import stream
+from tests.dashboard.conftest import stream, unreachable_url
 
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -174,6 +174,60 @@ def test_the_gateways_routed_requests_count_as_scoring_traffic(index, settings):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.django_db
+def test_a_frame_shows_each_gateway_and_one_that_cannot_be_reached_as_such(index, settings, gateway_metrics):
+    refused = unreachable_url()
+    settings.KVCACHE_GATEWAY_URLS = [gateway_metrics.url, refused]
+    counted = gateway_metrics.metrics
+    counted.REQUESTS.labels("round-robin", "sim-0", "ok").inc(4)
+    sampler = make_sampler()
+    up, down = sampler.frame()["gateways"]
+    assert (up["url"], up["reachable"]) == (gateway_metrics.url, True)
+    assert (up["policy"], up["requests"]) == ("round-robin", 4)
+    assert up["requests_per_s"] is None  # one scrape: nothing to differentiate yet
+    assert (down["url"], down["reachable"], down["requests"], down["pods"]) == (refused, False, None, [])
+    assert down["error"].startswith("ConnectError")
+
+    counted.REQUESTS.labels("round-robin", "sim-1", "ok").inc(4)
+    counted.RETRIES.labels("round-robin", "connect").inc(2)
+    counted.HITS.labels("round-robin").inc(2)
+    for _ in range(4):
+        counted.TTFT.labels("round-robin").observe(0.3)
+    frame = sampler.frame()
+    up = frame["gateways"][0]
+    seconds = up["window_seconds"]
+    assert seconds > 0
+    assert up["requests_per_s"] == pytest.approx(4 / seconds)
+    assert up["retries_per_s"] == pytest.approx(2 / seconds)
+    assert (up["retries"], up["retries_by_reason"]) == (2, {"connect": 2})
+    assert (up["hit_rate"], up["hit_rate_overall"]) == (0.5, 0.25)
+    assert (up["ttft_p50"], up["ttft_p90"]) == (pytest.approx(0.375), pytest.approx(0.475))
+    decisions = [(p["pod"], p["requests"], p["share"]) for p in up["pods"]]
+    assert decisions == [("sim-0", 4, 0.5), ("sim-1", 4, 0.5)]
+    assert frame["totals"]["scoring_available"] is True
+
+    gateway_metrics.close()
+    frame = sampler.frame()
+    assert [g["reachable"] for g in frame["gateways"]] == [False, False]
+    assert frame["gateways"][0]["requests"] is None
+    assert frame["totals"]["scoring_available"] is False  # no traffic known: n/a, not zero
+
+
+@pytest.mark.django_db
+def test_a_gateway_s_recent_numbers_cover_only_the_window(index, settings, gateway_metrics):
+    settings.KVCACHE_GATEWAY_URLS = [gateway_metrics.url]
+    counted = gateway_metrics.metrics.REQUESTS.labels("kv", "sim-0", "ok")
+    sampler = make_sampler(gateway_window=0.2)
+    counted.inc(100)
+    sampler.frame()
+    time.sleep(0.3)
+    [row] = sampler.frame()["gateways"]
+    assert row["window_seconds"] is None  # the first scrape left the window
+    counted.inc(1)
+    [row] = sampler.frame()["gateways"]
+    assert row["requests_per_s"] == pytest.approx(1 / row["window_seconds"])
 
 
 @pytest.mark.django_db

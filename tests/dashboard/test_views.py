@@ -30,13 +30,24 @@ def test_anonymous_and_non_staff_go_to_the_admin_login(url, db):
 
 def test_the_fleet_page_is_an_accessible_table_with_a_filter(staff_client):
     html = staff_client.get("/dashboard/").content.decode()
-    assert html.count('<th scope="col"') == 12
+    pods = html.split('<table id="pods"')[1].split("</table>")[0]
+    assert pods.count('<th scope="col"') == 12
     assert '<label for="pod-filter">' in html and 'id="pod-filter"' in html
     assert 'id="totals" class="totals" aria-live="polite"' in html
     assert 'aria-sort="ascending"' in html
     # Served by the project: no script or style from another host.
     assert "/static/vendor/uplot/uPlot.iife.min.js" in html
     assert "//cdn" not in html and "https://" not in html
+
+
+def test_the_fleet_page_has_a_table_of_gateways_and_one_of_their_routing_decisions(staff_client):
+    html = staff_client.get("/dashboard/").content.decode()
+    assert '<h2 id="gateways-heading">Gateways</h2>' in html
+    for table, columns in (("gateways", 13), ("routed", 6)):
+        markup = html.split(f'<table id="{table}"')[1].split("</table>")[0]
+        assert markup.count('<th scope="col"') == columns
+        assert '<caption class="visually-hidden">' in markup
+    assert 'id="gateways-empty"' in html  # until a frame says there are gateways
 
 
 def test_the_pod_page_names_the_pod_even_before_it_is_registered(staff_client):

@@ -21,11 +21,13 @@
 
   const intFormat = new Intl.NumberFormat("en-US");
   const rateFormat = new Intl.NumberFormat("en-US", { minimumFractionDigits: 1, maximumFractionDigits: 1 });
+  const fineRateFormat = new Intl.NumberFormat("en-US", { minimumFractionDigits: 2, maximumFractionDigits: 2 });
   const DASH = "—";
 
   const fmt = {
     int: (n) => (n == null ? DASH : intFormat.format(n)),
     rate: (n) => (n == null ? DASH : rateFormat.format(n)),
+    fineRate: (n) => (n == null ? DASH : fineRateFormat.format(n)),
     percent: (x) => (x == null ? DASH : (x * 100).toFixed(1) + " %"),
     age(s) {
       if (s == null) return "never";
@@ -39,6 +41,20 @@
       return parts.length ? parts.join(" · ") : DASH;
     },
     time: (t) => new Date(t * 1000).toLocaleTimeString("en-GB"),
+    seconds(s) {
+      if (s == null) return DASH;
+      const ms = s * 1000;
+      if (ms < 10) return ms.toFixed(1) + " ms";
+      if (ms < 1000) return Math.round(ms) + " ms";
+      return s.toFixed(2) + " s";
+    },
+    // Two quantiles as "120 ms / 480 ms"; a dash when neither is known.
+    quantiles: (a, b) => (a == null && b == null ? DASH : `${fmt.seconds(a)} / ${fmt.seconds(b)}`),
+    // {"connect": 3, "status": 1} as "connect 3 · status 1".
+    counts(byName) {
+      const parts = Object.entries(byName || {}).map(([name, n]) => (name || "?") + " " + intFormat.format(n));
+      return parts.length ? parts.join(" · ") : DASH;
+    },
     // "n/a": this web process has no such scoring counter; a dash: no request in the interval.
     scoreRate: (totals) => (totals.scoring_available ? fmt.rate(totals.score_requests_per_s) : "n/a"),
     hitRate: (totals) => (totals.hit_rate_available ? fmt.percent(totals.hit_rate) : "n/a"),
@@ -181,6 +197,59 @@
     }
   }
 
+  /* A table body whose rows are keyed (a gateway; a gateway's pod) and whose cells are updated
+     in place. columns: [{key, num?, text(d)?, render(cell, d)?, bad(d)?}], the first a row
+     heading; mark(tr, d) names a new row (data attributes). update([{key, data}]) puts the rows
+     in that order and drops rows not given. */
+  class KeyedRows {
+    constructor(tbody, columns, mark) {
+      this.tbody = tbody;
+      this.columns = columns;
+      this.mark = mark;
+      this.rows = new Map();
+      this.order = "";
+    }
+    makeRow(data) {
+      const tr = document.createElement("tr");
+      this.mark(tr, data);
+      const cells = {};
+      this.columns.forEach((col, i) => {
+        const cell = document.createElement(i === 0 ? "th" : "td");
+        if (i === 0) cell.scope = "row";
+        cell.dataset.col = col.key;
+        if (col.num) cell.className = "num";
+        tr.append(cell);
+        cells[col.key] = cell;
+      });
+      return { tr, cells };
+    }
+    update(items) {
+      const seen = new Set();
+      for (const { key, data } of items) {
+        seen.add(key);
+        let entry = this.rows.get(key);
+        if (!entry) this.rows.set(key, (entry = this.makeRow(data)));
+        for (const col of this.columns) {
+          const cell = entry.cells[col.key];
+          if (col.render) col.render(cell, data);
+          else setText(cell, col.text(data));
+          if (col.bad) cell.classList.toggle("bad", Boolean(col.bad(data)));
+        }
+      }
+      for (const [key, entry] of this.rows) {
+        if (!seen.has(key)) {
+          entry.tr.remove();
+          this.rows.delete(key);
+        }
+      }
+      const order = items.map((item) => item.key).join("\n");
+      if (order !== this.order) {
+        this.tbody.append(...items.map((item) => this.rows.get(item.key).tr));
+        this.order = order;
+      }
+    }
+  }
+
   // ---- the fleet page ---------------------------------------------------------------------
 
   // A pod's state (scoring/liveness.py pod_state), in the order a sort puts them.
@@ -217,6 +286,97 @@
     return FLEET_URL + "pods/" + encodeURIComponent(pod) + "/";
   }
 
+  // One gateway (dashboard/gateways.py gateway_row); an unreachable one has every number null.
+  const GATEWAY_COLUMNS = [
+    { key: "url", text: (g) => g.url },
+    {
+      key: "status",
+      render(cell, g) {
+        if (!cell.firstChild) cell.append(document.createElement("span"), document.createElement("span"));
+        const [badge, note] = cell.children;
+        setText(badge, g.reachable ? "reachable" : "unreachable");
+        badge.className = "status status-" + (g.reachable ? "active" : "down");
+        note.className = "muted";
+        setText(note, g.error || "");
+      },
+    },
+    { key: "policy", text: (g) => g.policy || (g.reachable ? "not known before its first request" : DASH) },
+    { key: "requests", num: true, text: (g) => fmt.int(g.requests) },
+    { key: "requests_per_s", num: true, text: (g) => fmt.rate(g.requests_per_s) },
+    { key: "outcomes", text: (g) => fmt.counts(g.outcomes), bad: (g) => g.outcomes && g.outcomes.upstream_error > 0 },
+    {
+      key: "retries",
+      num: true,
+      text: (g) => fmt.int(g.retries) + (g.retries ? ` (${fmt.counts(g.retries_by_reason)})` : ""),
+    },
+    { key: "retries_per_s", num: true, text: (g) => fmt.fineRate(g.retries_per_s), bad: (g) => g.retries_per_s > 0 },
+    {
+      key: "hit_rate",
+      num: true,
+      text: (g) => (g.reachable ? `${fmt.percent(g.hit_rate)} (${fmt.percent(g.hit_rate_overall)})` : DASH),
+    },
+    { key: "ttft", num: true, text: (g) => fmt.quantiles(g.ttft_p50, g.ttft_p90) },
+    { key: "ttft_overall", num: true, text: (g) => fmt.quantiles(g.ttft_p50_overall, g.ttft_p90_overall) },
+    {
+      key: "overhead_p50",
+      num: true,
+      text: (g) => fmt.seconds(g.overhead_p50) + (g.reachable ? ` (${fmt.seconds(g.overhead_p50_overall)})` : ""),
+    },
+    {
+      key: "score_failures",
+      num: true,
+      text: (g) => fmt.int(g.score_failures) + (g.score_failures ? ` (${fmt.counts(g.score_failures_by_reason)})` : ""),
+      bad: (g) => g.score_failures > 0,
+    },
+  ];
+
+  // One pod of one gateway's routing decisions (a gateway_row's "pods").
+  const ROUTED_COLUMNS = [
+    { key: "gateway", text: (d) => d.gateway },
+    {
+      key: "pod",
+      render(cell, d) {
+        if (!cell.firstChild) {
+          const a = document.createElement("a");
+          a.href = podUrl(d.pod);
+          a.className = "mono";
+          a.textContent = d.pod;
+          cell.append(a);
+        }
+      },
+    },
+    { key: "requests", num: true, text: (d) => fmt.int(d.requests) },
+    { key: "share", num: true, text: (d) => fmt.percent(d.share) },
+    { key: "requests_per_s", num: true, text: (d) => fmt.rate(d.requests_per_s) },
+    { key: "not_ok", num: true, text: (d) => fmt.int(d.not_ok), bad: (d) => d.not_ok > 0 },
+  ];
+
+  function gatewaySection() {
+    const gateways = new KeyedRows(document.getElementById("gateways").tBodies[0], GATEWAY_COLUMNS, (tr, g) => {
+      tr.dataset.gateway = g.url;
+    });
+    const routed = new KeyedRows(document.getElementById("routed").tBodies[0], ROUTED_COLUMNS, (tr, d) => {
+      tr.dataset.gateway = d.gateway;
+      tr.dataset.pod = d.pod;
+    });
+    const gatewaysEmpty = document.getElementById("gateways-empty");
+    const routedEmpty = document.getElementById("routed-empty");
+    const windowText = document.getElementById("gateway-window");
+
+    return function show(rows) {
+      gateways.update(rows.map((g) => ({ key: g.url, data: g })));
+      const decisions = rows.flatMap((g) =>
+        g.pods.map((p) => ({ key: g.url + "\n" + p.pod, data: { gateway: g.url, ...p } })),
+      );
+      routed.update(decisions);
+      gatewaysEmpty.hidden = rows.length > 0;
+      routedEmpty.hidden = decisions.length > 0;
+      // The window grows to a minute from when this server first served a dashboard.
+      const seconds = Math.max(0, ...rows.map((g) => g.window_seconds || 0));
+      setText(windowText, seconds && seconds < 55 ? `last ${Math.round(seconds)} s` : "last minute");
+    };
+  }
+
   function fleetPage() {
     const table = document.getElementById("pods");
     const tbody = table.tBodies[0];
@@ -242,6 +402,7 @@
       axes: [{}, { scale: "rate", label: "per second" }, { scale: "pct", label: "hit rate %", side: 1, grid: { show: false } }],
     });
     const series = new Columns(); // fleet rates, and "pod:<id>" block counts of every pod
+    const showGateways = gatewaySection();
     let scoringAvailable = false;
     let hitRateAvailable = false;
     let latestRows = [];
@@ -406,6 +567,7 @@
       }
       arrange();
       showTotals(msg.totals);
+      showGateways(msg.gateways || []);
 
       // Every pod gets a column, so that a pod entering the chart's top brings its past along.
       const { events_per_s, score_requests_per_s, hit_rate } = msg.totals;

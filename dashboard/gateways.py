@@ -1,0 +1,270 @@
+"""The gateways' view as pure functions over plain values; no Django, no I/O (``selectors``
+scrapes, ``sampler`` keeps each gateway's scrapes of the recent window).
+
+Input: the Prometheus text a gateway serves at ``/metrics`` (``gateway/metrics.py``): requests
+routed by policy, pod and outcome, retries by reason, prefix hits, score failures by reason, and
+histograms of the upstream time to first token and of the gateway's own overhead. Output: one
+JSON-able row per configured gateway. As in ``fleet``, recent numbers are never read but derived:
+the growth of the counters between the oldest scrape of the window and the latest, so they do not
+depend on how often anyone looks. Quantiles are estimated from the histogram buckets as
+Prometheus's ``histogram_quantile`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dashboard.fleet import ScoreCounters
+
+REQUESTS = "kvcache_gateway_requests_total"
+RETRIES = "kvcache_gateway_retries_total"
+PREFIX_HITS = "kvcache_gateway_prefix_hits_total"
+SCORE_FAILURES = "kvcache_gateway_score_failures_total"
+TTFT = "kvcache_gateway_upstream_ttft_seconds"
+OVERHEAD = "kvcache_gateway_overhead_seconds"
+
+
+def _grown(now: float, before: float) -> float:
+    """How much a counter grew; one that went down restarted from zero (a new gateway process)."""
+    return now - before if now >= before else now
+
+
+@dataclass(frozen=True, slots=True)
+class Buckets:
+    """A histogram: per upper bound (ascending, the last ``inf``), the observations at most that
+    large, cumulative as Prometheus exposes them; no bounds when nothing was observed yet."""
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[float, ...] = ()
+
+    @property
+    def count(self) -> float:
+        return self.counts[-1] if self.counts else 0.0
+
+    def since(self, before: Buckets) -> Buckets:
+        """The observations made after ``before``: all of them when the histogram restarted
+        from zero (fewer observations than before) or ``before`` had other bounds."""
+        if before.bounds != self.bounds or self.count < before.count:
+            return self
+        grown = (max(0.0, n - b) for n, b in zip(self.counts, before.counts, strict=True))
+        return Buckets(self.bounds, tuple(grown))
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q``-quantile (0 < q <= 1) estimated as ``histogram_quantile`` does: linearly
+        within the bucket holding it, the first bucket starting at 0; in the ``+Inf`` bucket, the
+        largest finite bound (all that is known). None without observations."""
+        rank = q * self.count
+        if rank <= 0:
+            return None
+        lower, below = 0.0, 0.0
+        for bound, cumulative in zip(self.bounds, self.counts, strict=True):
+            if cumulative >= rank:
+                if math.isinf(bound):
+                    return lower
+                return lower + (bound - lower) * (rank - below) / (cumulative - below)
+            lower, below = bound, cumulative
+        return lower
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayCounters:
+    """One scrape of a gateway's metrics, summed over the labels the view does not show.
+    ``routed``: (pod, outcome) -> requests, pod ``""`` when no pod answered; ``policies``: every
+    policy a sample was labelled with (none before the first routed request)."""
+
+    policies: tuple[str, ...] = ()
+    routed: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    retries: Mapping[str, float] = field(default_factory=dict)
+    prefix_hits: float = 0.0
+    score_failures: Mapping[str, float] = field(default_factory=dict)
+    ttft: Buckets = Buckets()
+    overhead: Buckets = Buckets()
+
+    @property
+    def requests(self) -> float:
+        """Every request routed, whatever became of it."""
+        return sum(self.routed.values())
+
+    @property
+    def answered(self) -> float:
+        """Requests a pod answered (the ones a prefix hit is counted for)."""
+        return sum(n for (pod, _), n in self.routed.items() if pod)
+
+    def since(self, before: GatewayCounters) -> GatewayCounters:
+        """What happened after ``before`` (counters that went down restarted from zero)."""
+
+        def grown(now: Mapping, then: Mapping) -> dict:
+            return {k: _grown(n, then.get(k, 0.0)) for k, n in now.items()}
+
+        return GatewayCounters(
+            policies=self.policies,
+            routed=grown(self.routed, before.routed),
+            retries=grown(self.retries, before.retries),
+            prefix_hits=_grown(self.prefix_hits, before.prefix_hits),
+            score_failures=grown(self.score_failures, before.score_failures),
+            ttft=self.ttft.since(before.ttft),
+            overhead=self.overhead.since(before.overhead),
+        )
+
+
+def parse_gateway_metrics(text: str) -> GatewayCounters:
+    """A gateway's ``/metrics`` text as counters; ValueError when it is not Prometheus text.
+    Samples of other names are ignored (a gateway that routed nothing yet has none of its own)."""
+    policies: set[str] = set()
+    routed: dict[tuple[str, str], float] = {}
+    retries: dict[str, float] = {}
+    failures: dict[str, float] = {}
+    hits = 0.0
+    buckets: dict[str, dict[float, float]] = {TTFT: {}, OVERHEAD: {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if not name.startswith("kvcache_gateway_") or name.endswith("_created"):
+                continue
+            if "policy" in labels:
+                policies.add(labels["policy"])
+            if name == REQUESTS:
+                key = (labels.get("pod", ""), labels.get("outcome", ""))
+                routed[key] = routed.get(key, 0.0) + value
+            elif name == RETRIES:
+                retries[labels.get("reason", "")] = retries.get(labels.get("reason", ""), 0.0) + value
+            elif name == PREFIX_HITS:
+                hits += value
+            elif name == SCORE_FAILURES:
+                failures[labels.get("reason", "")] = failures.get(labels.get("reason", ""), 0.0) + value
+            elif name.endswith("_bucket") and name.removesuffix("_bucket") in buckets:
+                if "le" not in labels:
+                    raise ValueError(f"{name} without an le label")
+                by_bound = buckets[name.removesuffix("_bucket")]
+                bound = float(labels["le"])
+                by_bound[bound] = by_bound.get(bound, 0.0) + value
+
+    def histogram(by_bound: dict[float, float]) -> Buckets:
+        bounds = tuple(sorted(by_bound))
+        return Buckets(bounds, tuple(by_bound[b] for b in bounds))
+
+    return GatewayCounters(
+        policies=tuple(sorted(policies)),
+        routed=routed,
+        retries=retries,
+        prefix_hits=hits,
+        score_failures=failures,
+        ttft=histogram(buckets[TTFT]),
+        overhead=histogram(buckets[OVERHEAD]),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayScrape:
+    """One attempt to read a gateway's ``/metrics`` at ``at`` (unix seconds): its counters, or
+    None and why not (``error``) when it could not be reached or did not answer with metrics."""
+
+    url: str
+    at: float
+    counters: GatewayCounters | None
+    error: str | None = None
+
+
+def gateway_traffic(scrapes: Iterable[GatewayScrape]) -> ScoreCounters | None:
+    """Requests the gateways routed and those sent to a pod holding their prefix, summed over the
+    gateways that answered; None when none did (or none is configured)."""
+    answered = [s.counters for s in scrapes if s.counters is not None]
+    if not answered:
+        return None
+    return ScoreCounters(
+        requests=sum(c.requests for c in answered), hits=sum(c.prefix_hits for c in answered)
+    )
+
+
+def _hit_rate(counters: GatewayCounters) -> float | None:
+    """Prefix hits per answered request. A hit is counted when the pod starts answering and the
+    request when the answer ends, so a scrape between the two could see more hits than
+    requests: the rate is capped at 1."""
+    answered = counters.answered
+    return min(1.0, counters.prefix_hits / answered) if answered else None
+
+
+def _per_s(n: float, seconds: float | None) -> float | None:
+    return n / seconds if seconds else None
+
+
+_UNKNOWN_WHEN_UNREACHABLE = (
+    "policy",
+    "window_seconds",
+    "requests",
+    "requests_per_s",
+    "outcomes",
+    "retries",
+    "retries_per_s",
+    "retries_by_reason",
+    "hit_rate",
+    "hit_rate_overall",
+    "score_failures",
+    "score_failures_by_reason",
+    "ttft_p50",
+    "ttft_p90",
+    "ttft_p50_overall",
+    "ttft_p90_overall",
+    "overhead_p50",
+    "overhead_p50_overall",
+)
+"""What an unreachable gateway's row has None for."""
+
+
+def gateway_row(window: Sequence[GatewayScrape]) -> dict:
+    """The row of one gateway from its scrapes of the recent window, oldest first, the latest
+    last. Totals are since the gateway started; ``*_per_s``, ``hit_rate``, ``ttft_p50``,
+    ``ttft_p90`` and ``overhead_p50`` cover ``window_seconds``: from the oldest scrape that
+    answered to the latest (None with a single one). A gateway whose latest scrape failed is
+    ``reachable: False`` with the ``error``, and every number None: unknown, not zero."""
+    latest = window[-1]
+    now = latest.counters
+    row: dict = {"url": latest.url, "reachable": now is not None, "error": latest.error}
+    if now is None:
+        return {**row, **dict.fromkeys(_UNKNOWN_WHEN_UNREACHABLE), "pods": []}
+    oldest = next(s for s in window if s.counters is not None)
+    seconds = latest.at - oldest.at if latest.at > oldest.at else None
+    # Without a window every recent number comes out None: no rate, no hit rate, no quantile.
+    recent = now.since(oldest.counters) if seconds else GatewayCounters()
+    answered = now.answered
+    pods: dict[str, dict] = {}
+    for (pod, outcome), n in sorted(now.routed.items()):
+        if pod:
+            entry = pods.setdefault(pod, {"pod": pod, "requests": 0.0, "not_ok": 0.0})
+            entry["requests"] += n
+            entry["not_ok"] += n if outcome != "ok" else 0.0
+    recent_by_pod: dict[str, float] = {}
+    for (pod, _), n in recent.routed.items():
+        recent_by_pod[pod] = recent_by_pod.get(pod, 0.0) + n
+    for pod, entry in pods.items():
+        entry["share"] = entry["requests"] / answered if answered else None
+        entry["requests_per_s"] = _per_s(recent_by_pod.get(pod, 0.0), seconds)
+    outcomes: dict[str, float] = {}
+    for (_, outcome), n in now.routed.items():
+        outcomes[outcome] = outcomes.get(outcome, 0.0) + n
+    return {
+        **row,
+        "policy": ", ".join(now.policies) or None,
+        "window_seconds": seconds,
+        "requests": now.requests,
+        "requests_per_s": _per_s(recent.requests, seconds),
+        "outcomes": dict(sorted(outcomes.items())),
+        "retries": sum(now.retries.values()),
+        "retries_per_s": _per_s(sum(recent.retries.values()), seconds),
+        "retries_by_reason": dict(sorted(now.retries.items())),
+        "hit_rate": _hit_rate(recent),
+        "hit_rate_overall": _hit_rate(now),
+        "score_failures": sum(now.score_failures.values()),
+        "score_failures_by_reason": dict(sorted(now.score_failures.items())),
+        "ttft_p50": recent.ttft.quantile(0.5),
+        "ttft_p90": recent.ttft.quantile(0.9),
+        "ttft_p50_overall": now.ttft.quantile(0.5),
+        "ttft_p90_overall": now.ttft.quantile(0.9),
+        "overhead_p50": recent.overhead.quantile(0.5),
+        "overhead_p50_overall": now.overhead.quantile(0.5),
+        "pods": list(pods.values()),
+    }

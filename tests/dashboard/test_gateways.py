@@ -1,0 +1,178 @@
+"""The gateways' view: a gateway's real ``/metrics`` text read as counters, histogram quantiles,
+recent numbers from the scrapes of a window, and a gateway that cannot be read shown as such;
+the selector that scrapes them over real HTTP."""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import pytest
+
+from dashboard import selectors
+from dashboard.gateways import Buckets, GatewayScrape, gateway_row, gateway_traffic, parse_gateway_metrics
+from tests.dashboard.conftest import fresh_gateway_metrics, unreachable_url
+
+URL = "http://gateway.test:8200"
+
+
+def route_some(metrics) -> None:
+    """What a kv-load gateway counts for 12 requests: 10 answered by two pods (5 of them prefix
+    hits, one client gone), 2 that no pod answered after 4 retries; the index failing twice."""
+    metrics.REQUESTS.labels("kv-load", "sim-0", "ok").inc(6)
+    metrics.REQUESTS.labels("kv-load", "sim-1", "ok").inc(3)
+    metrics.REQUESTS.labels("kv-load", "sim-1", "client_gone").inc(1)
+    metrics.REQUESTS.labels("kv-load", "", "upstream_error").inc(2)
+    metrics.RETRIES.labels("kv-load", "connect").inc(3)
+    metrics.RETRIES.labels("kv-load", "status").inc(1)
+    metrics.HITS.labels("kv-load").inc(5)
+    metrics.SCORE_FAILURES.labels("index_unavailable").inc(2)
+    for seconds in [0.03] * 6 + [0.3] * 4:
+        metrics.TTFT.labels("kv-load").observe(seconds)
+    for _ in range(10):
+        metrics.OVERHEAD.labels("kv-load").observe(0.0015)
+
+
+def scrape(metrics: ModuleType, at: float) -> GatewayScrape:
+    """What the dashboard reads at ``at`` from a gateway counting on ``metrics``."""
+    text = metrics.exposition()[0].decode()
+    return GatewayScrape(url=URL, at=at, counters=parse_gateway_metrics(text))
+
+
+@pytest.fixture
+def gateway() -> ModuleType:
+    """A gateway's metrics, counting from zero; their text is read directly (no server here)."""
+    return fresh_gateway_metrics()
+
+
+def test_a_gateway_s_metrics_text_reads_as_its_counters(gateway):
+    route_some(gateway)
+    counters = scrape(gateway, 0.0).counters
+    assert counters.policies == ("kv-load",)
+    assert counters.routed == {
+        ("sim-0", "ok"): 6,
+        ("sim-1", "ok"): 3,
+        ("sim-1", "client_gone"): 1,
+        ("", "upstream_error"): 2,
+    }
+    assert (counters.requests, counters.answered) == (12, 10)
+    assert counters.retries == {"connect": 3, "status": 1}
+    assert counters.prefix_hits == 5
+    assert counters.score_failures == {"index_unavailable": 2}
+    assert counters.ttft.bounds[-1] == math.inf
+    assert counters.ttft.count == 10
+    assert counters.overhead.count == 10
+
+
+def test_quantiles_are_interpolated_within_their_bucket_as_prometheus_does():
+    # 6 observations in (0.025, 0.05], 4 in (0.25, 0.5]
+    ttft = Buckets((0.025, 0.05, 0.25, 0.5, math.inf), (0, 6, 6, 10, 10))
+    assert ttft.quantile(0.5) == pytest.approx(0.025 + 0.025 * 5 / 6)
+    assert ttft.quantile(0.9) == pytest.approx(0.25 + 0.25 * 3 / 4)
+    first_bucket = Buckets((0.1, math.inf), (4, 4))
+    assert first_bucket.quantile(0.5) == pytest.approx(0.05)  # the first bucket starts at 0
+    beyond = Buckets((0.1, 1.0, math.inf), (0, 1, 4))
+    assert beyond.quantile(0.9) == 1.0  # in the +Inf bucket: the largest finite bound
+    assert Buckets().quantile(0.5) is None
+    assert Buckets((0.1, math.inf), (0, 0)).quantile(0.5) is None
+
+
+def test_buckets_since_an_earlier_scrape_hold_the_observations_made_in_between():
+    before = Buckets((0.1, math.inf), (2, 3))
+    now = Buckets((0.1, math.inf), (5, 9))
+    assert now.since(before) == Buckets((0.1, math.inf), (3, 6))
+    assert now.since(Buckets()) == now  # nothing observed before
+    restarted = Buckets((0.1, math.inf), (1, 1))
+    assert restarted.since(now) == restarted  # fewer than before: a new gateway process
+
+
+def test_a_row_has_totals_and_no_recent_numbers_from_a_single_scrape(gateway):
+    route_some(gateway)
+    row = gateway_row([scrape(gateway, 100.0)])
+    assert (row["url"], row["reachable"], row["error"], row["policy"]) == (URL, True, None, "kv-load")
+    assert row["requests"] == 12
+    assert row["outcomes"] == {"client_gone": 1, "ok": 9, "upstream_error": 2}
+    assert (row["retries"], row["retries_by_reason"]) == (4, {"connect": 3, "status": 1})
+    assert row["hit_rate_overall"] == 0.5  # 5 hits of the 10 requests a pod answered
+    assert (row["score_failures"], row["score_failures_by_reason"]) == (2, {"index_unavailable": 2})
+    assert row["ttft_p50_overall"] == pytest.approx(0.025 + 0.025 * 5 / 6)
+    assert row["ttft_p90_overall"] == pytest.approx(0.4375)
+    assert row["overhead_p50_overall"] == pytest.approx(0.0015)
+    recent = ("window_seconds", "requests_per_s", "retries_per_s", "hit_rate", "ttft_p50", "ttft_p90")
+    assert {k: row[k] for k in (*recent, "overhead_p50")} == dict.fromkeys((*recent, "overhead_p50"))
+    assert row["pods"] == [
+        {"pod": "sim-0", "requests": 6, "not_ok": 0, "share": 0.6, "requests_per_s": None},
+        {"pod": "sim-1", "requests": 4, "not_ok": 1, "share": 0.4, "requests_per_s": None},
+    ]
+
+
+def test_recent_numbers_grow_from_the_oldest_answered_scrape_of_the_window(gateway):
+    route_some(gateway)
+    first = scrape(gateway, 100.0)
+    missed = GatewayScrape(url=URL, at=105.0, counters=None, error="ReadTimeout")
+    gateway.REQUESTS.labels("kv-load", "sim-0", "ok").inc(10)
+    gateway.HITS.labels("kv-load").inc(10)
+    gateway.RETRIES.labels("kv-load", "connect").inc(1)
+    for _ in range(10):
+        gateway.TTFT.labels("kv-load").observe(0.3)
+    row = gateway_row([first, missed, scrape(gateway, 110.0)])
+    assert row["window_seconds"] == 10.0
+    assert row["requests_per_s"] == pytest.approx(1.0)
+    assert row["retries_per_s"] == pytest.approx(0.1)
+    assert row["hit_rate"] == 1.0
+    assert row["hit_rate_overall"] == 0.75  # 15 of 20
+    assert row["ttft_p50"] == pytest.approx(0.375)  # the window's 10, all in (0.25, 0.5]
+    assert row["ttft_p90"] == pytest.approx(0.475)
+    assert row["ttft_p50_overall"] == pytest.approx(0.25 + 0.25 * 4 / 14)
+    assert row["overhead_p50"] is None  # no request was overhead-timed in the window
+    assert [(p["pod"], p["requests"], p["requests_per_s"]) for p in row["pods"]] == [
+        ("sim-0", 16, pytest.approx(1.0)),
+        ("sim-1", 4, 0.0),
+    ]
+
+
+def test_a_restarted_gateway_counts_from_zero(gateway):
+    route_some(gateway)
+    before = scrape(gateway, 100.0)
+    restarted = fresh_gateway_metrics()
+    restarted.REQUESTS.labels("kv-load", "sim-0", "ok").inc(2)
+    row = gateway_row([before, scrape(restarted, 102.0)])
+    assert row["requests"] == 2
+    assert row["requests_per_s"] == pytest.approx(1.0)  # not negative
+
+
+def test_an_unreachable_gateway_shows_no_numbers_rather_than_zeros(gateway):
+    route_some(gateway)
+    down = GatewayScrape(url=URL, at=110.0, counters=None, error="ConnectError: refused")
+    row = gateway_row([scrape(gateway, 100.0), down])
+    assert (row["reachable"], row["error"], row["pods"]) == (False, "ConnectError: refused", [])
+    numbers = {k: v for k, v in row.items() if k not in ("url", "reachable", "error", "pods")}
+    assert numbers and set(numbers.values()) == {None}
+
+
+def test_a_gateway_that_routed_nothing_yet_knows_no_policy(gateway):
+    row = gateway_row([scrape(gateway, 100.0)])
+    assert (row["reachable"], row["policy"], row["requests"], row["retries"]) == (True, None, 0, 0)
+    assert (row["hit_rate_overall"], row["ttft_p50_overall"], row["pods"]) == (None, None, [])
+
+
+def test_the_gateways_traffic_sums_those_that_answered(gateway):
+    route_some(gateway)
+    down = GatewayScrape(url="http://other", at=100.0, counters=None, error="refused")
+    traffic = gateway_traffic([scrape(gateway, 100.0), down])
+    assert (traffic.requests, traffic.hits) == (12, 5)
+    assert gateway_traffic([down]) is None
+    assert gateway_traffic([]) is None
+
+
+def test_scrapes_say_why_a_gateway_could_not_be_read(gateway_metrics, settings):
+    route_some(gateway_metrics.metrics)
+    refused = unreachable_url()
+    settings.KVCACHE_GATEWAY_URLS = [gateway_metrics.url, refused, f"{gateway_metrics.url}/not-here"]
+    answered, down, wrong = selectors.scrape_gateways()
+    assert (answered.url, answered.error, answered.counters.requests) == (gateway_metrics.url, None, 12)
+    assert (down.url, down.counters) == (refused, None)
+    assert down.error.startswith("ConnectError")
+    assert (wrong.counters, wrong.error) == (None, "/metrics answered HTTP 404")
+    with pytest.raises(ValueError):
+        parse_gateway_metrics("<html>not metrics</html>")
