@@ -43,35 +43,46 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+ZERO_LATENCY = (
+    "--prefill-overhead-ms",
+    "0",
+    "--prefill-time-per-token-ms",
+    "0",
+    "--inter-token-latency-ms",
+    "0",
+)
+
+
 class Stack:
-    def __init__(self) -> None:
+    """Valkey, ``ingest`` and ``simulate`` (``pods`` pods of :data:`MODEL`, registered with their
+    addresses, publishing to ingest; ``simulate_args`` set their engine and latency) as child
+    processes; gateways are started and stopped on top of them."""
+
+    def __init__(self, *, pods: int = 2, simulate_args: tuple[str, ...] = ZERO_LATENCY) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvgateway-"))
         self.valkey = Valkey()
         self.env = project_env(self.tmp, self.valkey.url, KVCACHE_POD_DOWN_SECONDS="0")
         ingest_port = free_port()
-        self.pod_port = free_port_range(2)
+        self.pod_port = free_port_range(pods)
         self.procs = [
             self._start("ingest", "--bind", f"tcp://127.0.0.1:{ingest_port}", "--workers", "1"),
             self._start(
                 "simulate",
                 "--pods",
-                "2",
+                str(pods),
                 "--base-port",
                 str(self.pod_port),
                 "--events-endpoint",
                 f"tcp://127.0.0.1:{ingest_port}",
                 "--register",
-                "--prefill-overhead-ms",
-                "0",
-                "--prefill-time-per-token-ms",
-                "0",
-                "--inter-token-latency-ms",
-                "0",
+                *simulate_args,
             ),
         ]
-        self.gateway: subprocess.Popen | None = None
+        self.gateways: list[subprocess.Popen] = []
         self.pod_url = f"http://127.0.0.1:{self.pod_port}"
-        wait_for(lambda: _answers(f"{self.pod_url}/health"), timeout=60, what="the pods", every=0.1)
+        self.pod_urls = {f"sim-{i}": f"http://127.0.0.1:{self.pod_port + i}" for i in range(pods)}
+        for url in self.pod_urls.values():
+            wait_for(lambda url=url: _answers(f"{url}/health"), timeout=60, what="the pods", every=0.1)
 
     def _start(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen(
@@ -83,21 +94,24 @@ class Stack:
         )
 
     def start_gateway(self, policy: str) -> str:
-        self.stop_gateway()
+        """One more gateway (one worker) with ``policy``; its base URL once it serves the model."""
         port = free_port()
-        self.gateway = self._start("gateway", "--port", str(port), "--workers", "1", "--policy", policy)
+        self.gateways.append(
+            self._start("gateway", "--port", str(port), "--workers", "1", "--policy", policy)
+        )
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(f"{url}/v1/models", b"Qwen"), timeout=60, what="the gateway", every=0.1)
         return url
 
-    def stop_gateway(self) -> None:
-        if self.gateway is not None:
-            self.gateway.send_signal(signal.SIGTERM)
-            self.gateway.wait(20)
-            self.gateway = None
+    def stop_gateways(self) -> None:
+        for gateway in self.gateways:
+            gateway.send_signal(signal.SIGTERM)
+        for gateway in self.gateways:
+            gateway.wait(20)
+        self.gateways.clear()
 
     def close(self) -> None:
-        self.stop_gateway()
+        self.stop_gateways()
         for proc in self.procs:
             proc.send_signal(signal.SIGTERM)
         for proc in self.procs:
@@ -166,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     stack = Stack()
     try:
         for policy in args.policies.split(","):
+            stack.stop_gateways()
             url = stack.start_gateway(policy)
             for kind in ("short", "chat"):
                 result = {

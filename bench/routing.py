@@ -1,190 +1,466 @@
-"""Routing benchmark: every router over a QPS ladder, against a stack that is already running.
+"""Routing benchmark: the gateway's policies against the routers people use instead, on one
+simulated fleet, the same seeded workloads and the same Poisson arrivals.
 
-Start the stack first (web + ingest: ``make run``; a simulated fleet publishing to ingest), then:
+Real processes: Valkey, ``manage.py ingest``, ``manage.py simulate`` (8 pods of Qwen3-0.6B with a
+saturating latency profile and small KV caches, registered with their addresses, publishing KV
+events to ingest). For every workload, router and QPS of the ladder, the router is started fresh
+(no memory of an earlier step), every pod's prefix cache is reset, and ``simulator.loadgen``
+(the core of ``manage.py loadgen``) sends the workload to the router's OpenAI endpoint, streaming
+chat completions. Then the router is stopped.
 
-    .venv/bin/python bench/routing.py --pods-url http://127.0.0.1:8100 --pods 4 \\
-        [--routers kv,kv-load,least-loaded,round-robin,random] [--qps 2,4,8,16] \\
-        [--duration 30 | --requests N] [--score-url http://127.0.0.1:8000/api/v1/score] \\
-        [--out var/bench/routing.json] [--plot docs/routing.png]
+Routers: ``manage.py gateway`` with each policy (``kv-load``, ``kv``, ``approx-prefix``,
+``least-loaded``, ``random``, ``round-robin``), and, when ``make bench-peers`` installed them,
+``vllm-router`` and ``sglang-router`` with ``cache_aware`` and ``round_robin``
+(``<peer>:<policy>``).
 
-It runs the load generator in process (``simulator.loadgen``; the same core as
-``manage.py loadgen``), one run per router and QPS, each from empty prefix caches, prints the
-table, writes the JSON results and a plot of TTFT p90 against QPS per router (log scale).
+Workloads (:data:`WORKLOADS`):
+
+* ``capacity``: many groups x long system prompts x a few users each: the working set is ~2.2x
+  the fleet's KV cache, so prefixes are evicted all the time;
+* ``replicas``: the same behind 2 replicas of the router (requests alternate between them);
+* ``restart``: the same with one pod's cache reset (a restart, as the index sees it) halfway;
+* ``hot``: hot prefixes, fewer groups than pods;
+* ``chat``: multi-turn conversations (each turn re-sends the conversation so far).
+
+Reported per run: TTFT p50/p90/p99, E2E p90, output tokens/s, fleet prefix hit rate (from the
+pods' own counters) and, for the gateway, its own time per request (p50 of
+``kvcache_gateway_overhead_seconds``; the full hop is ``bench/gateway.py``'s). Then the targets of
+issue 13 are checked per workload.
+
+    .venv/bin/python bench/routing.py [--workloads capacity,replicas,restart,hot,chat]
+        [--routers kv-load,kv,approx-prefix,least-loaded,random,vllm-router:cache_aware,...]
+        [--qps 4,8,12] [--duration 60] [--out var/bench/routing.json] [--plot docs/routing.png]
+    .venv/bin/python bench/routing.py --report var/bench/routing-a.json var/bench/routing-b.json
+
+``--report`` prints the table, the target checks and the plot of saved results (several files
+are merged: run workloads in separate invocations, report them together; a run repeated in a
+later file replaces the earlier one). Results are written
+after every run, so an interrupted benchmark keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import math
 import sys
-from functools import partial
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulator.loadgen.report import render_table, results_document, summarize, write_json  # noqa: E402
-from simulator.loadgen.routers import DEFAULT_ALPHA, ROUTER_NAMES  # noqa: E402
-from simulator.loadgen.runner import (  # noqa: E402
-    DEFAULT_MODEL,
-    DEFAULT_SCORE_URL,
-    LoadgenConfig,
-    fleet_from_base,
-    parse_pod,
-    parse_qps,
-    run_ladder,
-    tqdm_progress,
-)
+import httpx  # noqa: E402
+
+from bench.gateway import Stack  # noqa: E402
+from bench.machine import machine  # noqa: E402
+from bench.peers import PEERS, RunningPeer, peers_installed, start_peer  # noqa: E402
+from dashboard.gateways import Buckets, parse_gateway_metrics  # noqa: E402
+from simulator.loadgen.report import summarize  # noqa: E402
+from simulator.loadgen.runner import LoadgenConfig, parse_qps, run_step  # noqa: E402
 from simulator.loadgen.workload import WorkloadSpec  # noqa: E402
 
-DEFAULT_ROUTERS = "kv,kv-load,least-loaded,round-robin,random"
-# Long enough for the cold start (every group's first, uncached prefills) to be a small share.
-DEFAULT_DURATION = 30.0
+PODS = 8
+KV_BLOCKS = 512
+BLOCK_SIZE = 16
+FLEET = (
+    "--kv-cache-size",
+    str(KV_BLOCKS),
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--max-num-seqs",
+    "4",
+    "--prefill-overhead-ms",
+    "10",
+    "--prefill-time-per-token-ms",
+    "0.3",
+    "--inter-token-latency-ms",
+    "10",
+    "--load-factor",
+    "2",
+    "--seed",
+    "7",
+)
+"""Each pod: 512 blocks of 16 tokens (8,192 tokens of KV cache), 4 requests at once, a
+3,000-token prefill 0.9 s alone and 1.8 s in a full batch (64 output tokens: 0.64-1.28 s), so a
+prefix hit saves about half of a request's time, and a miss stays under 2 s until requests queue."""
+
+GATEWAY_POLICIES = ("kv-load", "kv", "approx-prefix", "least-loaded", "random", "round-robin")
+DEFAULT_ROUTERS = (
+    "kv-load,kv,approx-prefix,least-loaded,random,"
+    "vllm-router:cache_aware,vllm-router:round_robin,sglang-router:cache_aware,sglang-router:round_robin"
+)
+TTFT_LIMIT_S = 2.0
 
 
-def plot(summaries: list[dict], path: str | Path, *, title: str = "") -> Path:
-    """TTFT p90 against QPS, one line per router, log-scale y; runs at an infinite QPS or
-    without a TTFT are left out."""
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    about: str
+    spec: WorkloadSpec
+    replicas: int = 1
+    restart: bool = False
+
+    def working_set_tokens(self) -> int:
+        spec = self.spec
+        return spec.groups * spec.system_prompt_tokens + spec.sessions_per_pass * spec.question_tokens
+
+
+_CAPACITY = WorkloadSpec(groups=48, system_prompt_tokens=3000, questions_per_group=5, seed=0)
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("capacity", "48 groups x 3,000-token system prompt x 5 users", _CAPACITY),
+        Workload("replicas", "capacity behind 2 router replicas", _CAPACITY, replicas=2),
+        Workload("restart", "capacity, one pod's cache reset halfway", _CAPACITY, restart=True),
+        Workload(
+            "hot", "4 groups x 3,000 tokens x 32 users (fewer groups than pods)", WorkloadSpec(4, 3000, 32)
+        ),
+        Workload(
+            "chat",
+            "16 groups x 1,500 tokens x 8 users, 4 turns each",
+            WorkloadSpec(groups=16, system_prompt_tokens=1500, questions_per_group=8, turns=4),
+        ),
+    )
+}
+
+
+# -- routers -------------------------------------------------------------------------------
+
+
+class Routers:
+    """Starts a router's replicas in front of the stack's pods and stops them again."""
+
+    def __init__(self, stack: Stack, log_dir: Path) -> None:
+        self.stack = stack
+        self.log_dir = log_dir
+        self.peers: list[RunningPeer] = []
+
+    @contextlib.contextmanager
+    def running(self, router: str, replicas: int) -> Iterator[list[str]]:
+        """The base URLs of ``replicas`` fresh instances of ``router``, stopped on exit."""
+        try:
+            yield [self._start(router, i) for i in range(replicas)]
+        finally:
+            self.stack.stop_gateways()
+            for peer in self.peers:
+                peer.stop()
+            self.peers.clear()
+
+    def _start(self, router: str, replica: int) -> str:
+        if router in GATEWAY_POLICIES:
+            return self.stack.start_gateway(router)
+        name, _, policy = router.partition(":")
+        log = self.log_dir / f"{name}-{policy}-{replica}.log"
+        peer = start_peer(name, workers=list(self.stack.pod_urls.values()), policy=policy, log_path=log)
+        self.peers.append(peer)
+        return peer.url
+
+    def overhead_p50_ms(self, urls: list[str], router: str) -> float | None:
+        """The gateway's own time per request (p50 over its replicas' histograms); None for peers."""
+        if router not in GATEWAY_POLICIES:
+            return None
+        texts = [httpx.get(f"{url}/metrics", timeout=5).text for url in urls]
+        histograms = [parse_gateway_metrics(text).overhead for text in texts]
+        counts = zip(*(h.counts for h in histograms), strict=True)
+        summed = Buckets(histograms[0].bounds, tuple(map(sum, counts)))
+        quantile = summed.quantile(0.5)
+        return None if quantile is None else 1000 * quantile
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+async def _reset_later(pod_url: str, after: float) -> None:
+    await asyncio.sleep(after)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        await client.post(f"{pod_url}/reset_prefix_cache", timeout=10)
+
+
+async def _step(config: LoadgenConfig, workload: Workload, qps: float, duration: float, restart_url: str):
+    step = run_step(config, qps=qps, duration=duration)
+    if not workload.restart:
+        return await step
+    # run_step resets every cache and waits ``settle`` before its first request.
+    result, _ = await asyncio.gather(step, _reset_later(restart_url, config.settle + duration / 2))
+    return result
+
+
+def run(args: argparse.Namespace) -> dict:
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    for router in routers:
+        name, _, policy = router.partition(":")
+        if router not in GATEWAY_POLICIES and (name not in PEERS or policy not in PEERS[name].policies):
+            raise SystemExit(f"unknown router {router!r}: a gateway policy or <peer>:<policy>")
+    if any(r not in GATEWAY_POLICIES for r in routers) and not peers_installed():
+        print("the peer routers are not installed (make bench-peers): running without them", file=sys.stderr)
+        routers = [r for r in routers if r in GATEWAY_POLICIES]
+    workloads = [WORKLOADS[w.strip()] for w in args.workloads.split(",") if w.strip()]
+    ladder = parse_qps(args.qps)
+    document: dict = {
+        "machine": machine(),
+        "fleet": {
+            "pods": args.pods,
+            "kv_blocks": KV_BLOCKS,
+            "block_size": BLOCK_SIZE,
+            "simulate": list(FLEET),
+        },
+        "params": {
+            "duration": args.duration,
+            "qps": ladder,
+            "routers": routers,
+            "max_tokens": args.max_tokens,
+        },
+        "workloads": {w.name: {**asdict(w), "working_set_tokens": w.working_set_tokens()} for w in workloads},
+        "runs": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    stack = Stack(pods=args.pods, simulate_args=FLEET)
+    log_dir = stack.tmp / "logs"
+    log_dir.mkdir()
+    routers_ = Routers(stack, log_dir)
+    try:
+        for workload in workloads:
+            for router in routers:
+                for qps in ladder:
+                    started = time.monotonic()
+                    with routers_.running(router, workload.replicas) as urls:
+                        config = LoadgenConfig(
+                            pods=stack.pod_urls,
+                            target=urls[0],
+                            replicas=tuple(urls[1:]),
+                            label=router,
+                            max_tokens=args.max_tokens,
+                            concurrency=args.concurrency,
+                            observe_scores=False,
+                            settle=1.0,
+                            workload=workload.spec,
+                            block_size=BLOCK_SIZE,
+                        )
+                        result = asyncio.run(
+                            _step(config, workload, qps, args.duration, stack.pod_urls["sim-0"])
+                        )
+                        summary = summarize(result)
+                        summary["workload"] = workload.name
+                        summary["overhead_p50_ms"] = routers_.overhead_p50_ms(urls, router)
+                    document["runs"].append(summary)
+                    args.out.write_text(json.dumps(document, indent=1, default=str))
+                    print(
+                        f"{workload.name:9} {router:26} {qps:>4g} qps  {row(summary)}"
+                        f"  ({time.monotonic() - started:.0f} s)",
+                        flush=True,
+                    )
+    finally:
+        stack.close()
+    return document
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _percent(rate: float | None) -> str:
+    return "-" if rate is None else f"{100 * rate:.1f}%"
+
+
+def row(s: dict) -> str:
+    ttft, e2e = s["ttft_s"], s["e2e_s"]
+    return (
+        f"ok {s['ok']:>4} fail {s['failed']:>3}  TTFT p50 {_fmt(ttft['p50'], '.3f')} "
+        f"p90 {_fmt(ttft['p90'], '.3f')} p99 {_fmt(ttft['p99'], '.3f')}  E2E p90 {_fmt(e2e['p90'], '.3f')}  "
+        f"tok/s {_fmt(s['output_tokens_per_s'], '.0f')}  hit {_percent(s['fleet_hit_rate'])}"
+        f"  overhead {_fmt(s.get('overhead_p50_ms'), '.2f')} ms"
+    )
+
+
+def markdown_table(runs: list[dict]) -> str:
+    lines = [
+        "| workload | router | QPS | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | E2E p90 | out tok/s "
+        "| fleet hit rate | gateway own time p50 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in runs:
+        ttft, hit = s["ttft_s"], s["fleet_hit_rate"]
+        lines.append(
+            f"| {s['workload']} | {s['router']} | {s['qps']:g} | {s['ok']} / {s['failed']} "
+            f"| {_fmt(ttft['p50'], '.3f')} | {_fmt(ttft['p90'], '.3f')} | {_fmt(ttft['p99'], '.3f')} "
+            f"| {_fmt(s['e2e_s']['p90'], '.3f')} | {_fmt(s['output_tokens_per_s'], '.1f')} "
+            f"| {_percent(hit)} | {_fmt(s.get('overhead_p50_ms'), '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def _p90(run: dict | None) -> float:
+    value = run["ttft_s"]["p90"] if run else None
+    return math.inf if value is None else value
+
+
+def _tps(run: dict) -> float:
+    return run["output_tokens_per_s"] or 0.0
+
+
+TIE = 0.03
+"""Within 3% of each other, two runs of the same workload are a tie: the run-to-run noise of
+this machine (the same router twice) is about that."""
+
+
+def verdict(ours: float, theirs: float, *, lower_is_better: bool) -> str:
+    """met, tie (within :data:`TIE`) or missed, for "ours no worse than theirs"."""
+    if math.isinf(ours) or math.isinf(theirs):
+        return "met" if ours <= theirs else "missed"
+    better = ours <= theirs if lower_is_better else ours >= theirs
+    if better:
+        return "met"
+    return "tie" if abs(ours - theirs) <= TIE * max(abs(theirs), 1e-9) else "missed"
+
+
+def check_targets(runs: list[dict]) -> list[str]:
+    """Issue 13's targets, per workload: lines saying what was measured and whether it is met."""
+    out = []
+    by = {(s["workload"], s["router"], s["qps"]): s for s in runs}
+    for workload in dict.fromkeys(s["workload"] for s in runs):
+        ladder = sorted({s["qps"] for s in runs if s["workload"] == workload})
+        peers = sorted({s["router"] for s in runs if s["workload"] == workload and ":" in s["router"]})
+        aware = [p for p in peers if p.endswith(":cache_aware")]
+        if workload in ("capacity", "replicas", "restart"):
+            out.append(_ratio_targets(by, workload, ladder, aware))
+        for q in ladder:
+            ours = by.get((workload, "kv-load", q))
+            present = [by[(workload, p, q)] for p in peers if (workload, p, q) in by]
+            if ours is None or not present:
+                continue
+            fastest = min(present, key=_p90)
+            busiest = max(present, key=_tps)
+            out.append(
+                f"{workload} @ {q:g} qps: TTFT p90 kv-load {_p90(ours):.3f} s, best peer "
+                f"{fastest['router']} {_p90(fastest):.3f} s "
+                f"({verdict(_p90(ours), _p90(fastest), lower_is_better=True)}); "
+                f"tok/s {_tps(ours):.1f}, best peer {busiest['router']} {_tps(busiest):.1f} "
+                f"({verdict(_tps(ours), _tps(busiest), lower_is_better=False)})"
+            )
+    return out
+
+
+def _ratio_targets(by: dict, workload: str, ladder: list[float], aware: list[str]) -> str:
+    """At the highest QPS where kv-load keeps TTFT p90 under the limit: its p90 against
+    random's (target 1/10) and the best cache_aware peer's (target 1/3)."""
+    under = [q for q in ladder if _p90(by.get((workload, "kv-load", q))) < TTFT_LIMIT_S]
+    if not under:
+        return f"{workload}: kv-load never keeps TTFT p90 under {TTFT_LIMIT_S:g} s"
+    q = max(under)
+    ours = _p90(by[(workload, "kv-load", q)])
+    line = (
+        f"{workload} @ {q:g} qps (highest with kv-load TTFT p90 < {TTFT_LIMIT_S:g} s): kv-load {ours:.3f} s"
+    )
+    random_ = _p90(by.get((workload, "random", q)))
+    met = "met" if random_ >= 10 * ours else "missed"
+    line += f"; random {random_:.3f} s = {random_ / ours:.1f}x (target >= 10x: {met})"
+    if aware:
+        best = min(aware, key=lambda p: _p90(by.get((workload, p, q))))
+        theirs = _p90(by.get((workload, best, q)))
+        met = "met" if theirs >= 3 * ours else "missed"
+        line += f"; best cache_aware {best} {theirs:.3f} s = {theirs / ours:.1f}x (target >= 3x: {met})"
+    return line
+
+
+def plot(runs: list[dict], path: Path) -> Path:
+    """TTFT p90 against QPS, one panel per workload, one line per router, log-scale y."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for router in dict.fromkeys(s["router"] for s in summaries):
-        points = sorted(
-            (s["qps"], s["ttft_s"]["p90"])
-            for s in summaries
-            if s["router"] == router and math.isfinite(s["qps"]) and s["ttft_s"]["p90"]
-        )
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=router)
-    ax.set_yscale("log")
-    ladder = sorted({s["qps"] for s in summaries if math.isfinite(s["qps"])})
-    if ladder and ladder[0] > 0 and len(ladder) > 1 and ladder[-1] / ladder[0] >= 4:
-        ax.set_xscale("log", base=2)  # ladders are usually geometric: 2, 4, 8, 16
-    ax.set_xticks(ladder)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    seconds = FuncFormatter(lambda v, _: f"{v:g}")
-    ax.yaxis.set_major_formatter(seconds)
-    low, high = ax.get_ylim()
-    # Label the 2..9 ticks too when the plot spans little more than a decade, else they crowd.
-    ax.yaxis.set_minor_formatter(seconds if high / low < 30 else NullFormatter())
-    ax.set_xlabel("offered load (requests/s, Poisson)")
-    ax.set_ylabel("TTFT p90 (s, log scale)")
-    ax.set_title(title or "TTFT p90 by router")
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    path = Path(path)
+    workloads = list(dict.fromkeys(s["workload"] for s in runs))
+    columns = min(3, len(workloads))
+    rows_ = math.ceil(len(workloads) / columns)
+    fig, axes = plt.subplots(rows_, columns, figsize=(5 * columns, 3.8 * rows_), dpi=110, squeeze=False)
+    routers = list(dict.fromkeys(s["router"] for s in runs))
+    colors = {r: plt.cm.tab10(i % 10) for i, r in enumerate(routers)}
+    for ax, workload in zip(axes.flat, workloads, strict=False):
+        for router in routers:
+            points = sorted(
+                (s["qps"], s["ttft_s"]["p90"])
+                for s in runs
+                if s["workload"] == workload and s["router"] == router and s["ttft_s"]["p90"]
+            )
+            if points:
+                style = "-" if router in GATEWAY_POLICIES else "--"
+                ax.plot(*zip(*points, strict=True), style, marker="o", label=router, color=colors[router])
+        ax.set_yscale("log")
+        ax.set_title(workload)
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel("TTFT p90 (s)")
+        ax.axhline(TTFT_LIMIT_S, color="grey", lw=0.8, ls=":")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(workloads) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize="small")
+    fig.tight_layout(rect=(0, 0.08 if len(labels) > 5 else 0.05, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path
 
 
+def merged(documents: list[dict]) -> list[dict]:
+    """The runs of several result files; a (workload, router, QPS) run again in a later file
+    replaces the earlier one (in its place)."""
+    runs: dict[tuple, dict] = {}
+    for document in documents:
+        for summary in document["runs"]:
+            runs[(summary["workload"], summary["router"], summary["qps"])] = summary
+    return list(runs.values())
+
+
+def report(documents: list[dict], plot_path: Path | None) -> None:
+    runs = merged(documents)
+    print(markdown_table(runs))
+    print()
+    for line in check_targets(runs):
+        print(line)
+    if plot_path is not None and runs:
+        print(f"plot: {plot(runs, plot_path)}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pods-url", help="Base URL of pod sim-0; pod sim-i is on its port + i.")
-    parser.add_argument("--pods", type=int, default=4, help="Pod count with --pods-url (default 4).")
-    parser.add_argument("--pod", action="append", default=[], metavar="POD=URL", help="Explicit pods.")
-    parser.add_argument("--score-url", default=DEFAULT_SCORE_URL)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--completions", action="store_true", help="Use /v1/completions (default: chat).")
-    parser.add_argument("--routers", default=DEFAULT_ROUTERS, help=f"Comma-separated, of {ROUTER_NAMES}.")
-    parser.add_argument("--qps", default="2,4,8,16", help="The QPS ladder (default 2,4,8,16).")
-    length = parser.add_mutually_exclusive_group()
-    length.add_argument(
-        "--duration",
-        type=float,
-        default=None,
-        help=f"Seconds of arrivals per run (default {DEFAULT_DURATION:g}).",
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument("--routers", default=DEFAULT_ROUTERS)
+    parser.add_argument("--qps", default="4,8,12", help="the QPS ladder (default 4,8,12)")
+    parser.add_argument(
+        "--duration", type=float, default=60.0, help="seconds of arrivals per run (default 60)"
     )
-    length.add_argument("--requests", type=int, default=None, help="Requests per run instead of a duration.")
-    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--pods", type=int, default=PODS, help=f"simulated pods (default {PODS})")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--system-prompt-tokens", type=int, default=2000)
-    parser.add_argument("--questions-per-group", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--settle", type=float, default=1.0)
-    parser.add_argument("--out", default=str(ROOT / "var" / "bench" / "routing.json"))
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "routing.png"))
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    if args.requests is None and args.duration is None:
-        args.duration = DEFAULT_DURATION
-    if not args.pods_url and not args.pod:
-        parser.error("give --pods-url URL [--pods N] or --pod POD=URL (repeatable)")
-    return args
-
-
-def config_from(args: argparse.Namespace) -> LoadgenConfig:
-    pods = fleet_from_base(args.pods_url, args.pods) if args.pods_url else {}
-    pods.update(parse_pod(option) for option in args.pod)
-    return LoadgenConfig(
-        pods=pods,
-        model=args.model,
-        chat=not args.completions,
-        max_tokens=args.max_tokens,
-        concurrency=args.concurrency,
-        seed=args.seed,
-        score_url=args.score_url,
-        api_key=args.api_key,
-        alpha=args.alpha,
-        reset_prefix_cache=True,
-        settle=args.settle,
-        workload=WorkloadSpec(
-            groups=args.groups,
-            system_prompt_tokens=args.system_prompt_tokens,
-            questions_per_group=args.questions_per_group,
-            turns=args.turns,
-            seed=args.seed,
-        ),
-    )
+    parser.add_argument("--concurrency", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "routing.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "routing.png")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--report", type=Path, nargs="+", help="report saved results instead of running")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    """Runs (or, with ``--report``, loads) the benchmark; returns the runs' summaries."""
     args = parse_args(argv)
-    config = config_from(args)
-    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    ladder = parse_qps(args.qps)
-    if args.duration is not None and any(math.isinf(q) for q in ladder):
-        raise SystemExit("--qps inf sends everything at once: give --requests, not --duration")
-    results = asyncio.run(
-        run_ladder(
-            config,
-            routers=routers,
-            qps=ladder,
-            requests=args.requests,
-            duration=args.duration,
-            progress=partial(tqdm_progress, disable=args.no_progress),
-        )
-    )
-    summaries = [summarize(step) for step in results]
-    params = {"routers": routers, "qps": ladder, "requests": args.requests, "duration": args.duration}
-    out = write_json(args.out, results_document(summaries, {**params, **config.describe()}))
-    spec = config.workload
-    title = (
-        f"{len(config.pods)} pods, {spec.groups} groups x ~{spec.system_prompt_tokens}-token system prompt"
-        + (f", {spec.turns} turns" if spec.turns > 1 else "")
-    )
-    image = plot(summaries, args.plot, title=title)
-    print(render_table(summaries))
-    for s in summaries:
-        for note in s["notes"]:
-            print(f"{s['router']} @ {s['qps']:g} qps: {note}")
-    print(f"results: {out}\nplot: {image}")
-    return summaries
+    plot_path = None if args.no_plot else args.plot
+    if args.report:
+        documents = [json.loads(path.read_text()) for path in args.report]
+    else:
+        documents = [run(args)]
+        print(f"results: {args.out}")
+    report(documents, plot_path)
+    return merged(documents)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``manage.py loadgen`` and ``bench/routing.py`` end to end against the fake fleet."""
+"""``manage.py loadgen`` end to end against the fake fleet."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import pytest
 from django.core.management import CommandError, call_command
 
-from bench import routing
 from tests.loadgen.conftest import API_KEY
 
 
@@ -61,21 +60,3 @@ def test_command_runs_a_router_ladder_and_writes_json(fake_fleet, tmp_path):
 def test_command_says_what_to_fix(args, message):
     with pytest.raises(CommandError, match=message):
         run_command(*args)
-
-
-def test_bench_writes_results_and_a_plot(fake_fleet, tmp_path, capsys):
-    argv = [
-        "--pod", f"sim-0={fake_fleet.urls['sim-0']}", "--pod", f"sim-1={fake_fleet.urls['sim-1']}",
-        "--score-url", fake_fleet.score_url, "--api-key", API_KEY, "--model", "m",
-        "--routers", "kv,random", "--qps", "50,100", "--requests", "3", "--max-tokens", "4",
-        "--groups", "1", "--system-prompt-tokens", "60", "--questions-per-group", "3", "--settle", "0",
-        "--out", str(tmp_path / "routing.json"), "--plot", str(tmp_path / "routing.png"), "--no-progress",
-    ]  # fmt: skip
-    summaries = routing.main(argv)
-    assert [(s["router"], s["qps"], s["ok"]) for s in summaries] == [
-        ("kv", 50.0, 3), ("kv", 100.0, 3), ("random", 50.0, 3), ("random", 100.0, 3),
-    ]  # fmt: skip
-    assert json.loads((tmp_path / "routing.json").read_text())["runs"][2]["router"] == "random"
-    assert (tmp_path / "routing.png").read_bytes().startswith(b"\x89PNG")
-    printed = capsys.readouterr().out
-    assert "TTFT p50" in printed and f"plot: {tmp_path / 'routing.png'}" in printed

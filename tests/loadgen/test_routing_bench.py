@@ -1,0 +1,118 @@
+"""``bench/routing.py``: its report (quantiles, target checks, table, plot) on known numbers, and
+one short real run: Valkey, ingest, simulated pods, the gateway and a peer router as processes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from bench import routing
+from bench.peers import peers_installed
+
+
+def run(workload: str, router: str, qps: float, p90: float | None, tps: float = 100.0) -> dict:
+    return {
+        "workload": workload,
+        "router": router,
+        "qps": qps,
+        "ok": 10,
+        "failed": 0,
+        "ttft_s": {"p50": p90 and p90 / 2, "p90": p90, "p99": p90 and 2 * p90},
+        "e2e_s": {"p50": 1.0, "p90": 2.0, "p99": 3.0},
+        "output_tokens_per_s": tps,
+        "fleet_hit_rate": 0.5,
+        "overhead_p50_ms": None if ":" in router else 1.5,
+    }
+
+
+def test_verdicts_call_close_results_a_tie():
+    assert routing.verdict(1.0, 1.2, lower_is_better=True) == "met"
+    assert routing.verdict(1.02, 1.0, lower_is_better=True) == "tie"
+    assert routing.verdict(1.2, 1.0, lower_is_better=True) == "missed"
+    assert routing.verdict(99.0, 100.0, lower_is_better=False) == "tie"
+    assert routing.verdict(90.0, 100.0, lower_is_better=False) == "missed"
+    assert routing.verdict(1.0, math.inf, lower_is_better=True) == "met"
+
+
+def test_targets_are_checked_at_the_highest_qps_kv_load_keeps_under_two_seconds():
+    runs = [
+        run("capacity", "kv-load", 4, 0.5),
+        run("capacity", "kv-load", 8, 1.5, tps=300),
+        run("capacity", "kv-load", 12, 6.0, tps=350),
+        run("capacity", "random", 8, 20.0),
+        run("capacity", "sglang-router:cache_aware", 8, 6.0, tps=250),
+        run("capacity", "vllm-router:cache_aware", 8, 3.0, tps=310),
+        run("capacity", "vllm-router:cache_aware", 12, 5.0, tps=400),
+        run("hot", "kv-load", 8, None),
+        run("hot", "vllm-router:round_robin", 8, 9.0),
+    ]
+    lines = routing.check_targets(runs)
+    assert lines[0].startswith("capacity @ 8 qps (highest")
+    assert "random 20.000 s = 13.3x (target >= 10x: met)" in lines[0]
+    # The best cache_aware peer is the one with the lower p90 (vllm-router: 3.0 s = 2x).
+    assert "best cache_aware vllm-router:cache_aware 3.000 s = 2.0x (target >= 3x: missed)" in lines[0]
+    assert (
+        "capacity @ 8 qps: TTFT p90 kv-load 1.500 s, best peer vllm-router:cache_aware 3.000 s (met)"
+        in lines[1]
+    )
+    assert "tok/s 300.0, best peer vllm-router:cache_aware 310.0 (missed)" in lines[1]
+    assert "(missed); tok/s 350.0, best peer vllm-router:cache_aware 400.0 (missed)" in lines[2]
+    # A workload where kv-load answered no streamed first token at all: its p90 is infinite.
+    assert (
+        "hot @ 8 qps: TTFT p90 kv-load inf s, best peer vllm-router:round_robin 9.000 s (missed)" in lines[3]
+    )
+    never = routing.check_targets([run("restart", "kv-load", 4, 2.5)])
+    assert never == ["restart: kv-load never keeps TTFT p90 under 2 s"]
+
+
+def test_report_of_saved_results_prints_the_table_and_draws_the_plot(tmp_path, capsys):
+    saved = tmp_path / "a.json"
+    saved.write_text(json.dumps({"runs": [run("hot", "kv-load", 4, 0.4), run("hot", "random", 4, 4.0)]}))
+    peer = run("chat", "vllm-router:cache_aware", 4, 0.5)
+    more = tmp_path / "b.json"
+    again = run("hot", "random", 4, 4.0)  # measured again: replaces the first file's run
+    again["ok"] = 11
+    more.write_text(json.dumps({"runs": [run("chat", "kv-load", 4, 0.3), peer, again]}))
+    runs = routing.main(["--report", str(saved), str(more), "--plot", str(tmp_path / "routing.png")])
+    assert [(r["workload"], r["router"]) for r in runs] == [
+        ("hot", "kv-load"),
+        ("hot", "random"),
+        ("chat", "kv-load"),
+        ("chat", "vllm-router:cache_aware"),
+    ]
+    printed = capsys.readouterr().out
+    assert "| hot | random | 4 | 11 / 0 | 2.000 | 4.000 | 8.000 | 2.000 | 100.0 | 50.0% | 1.50 |" in printed
+    assert "| chat | kv-load | 4 | 10 / 0 | 0.150 | 0.300 | 0.600 | 2.000 | 100.0 | 50.0% | 1.50 |" in printed
+    assert (
+        "| chat | vllm-router:cache_aware | 4 | 10 / 0 | 0.250 | 0.500 | 1.000 | 2.000 | 100.0 | 50.0% | - |"
+        in printed
+    )
+    assert (
+        "chat @ 4 qps: TTFT p90 kv-load 0.300 s, best peer vllm-router:cache_aware 0.500 s (met)" in printed
+    )
+    assert (tmp_path / "routing.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_short_real_run_routes_through_the_gateway_and_a_peer(tmp_path, capsys):
+    routers = "kv-load" + (",sglang-router:cache_aware" if peers_installed() else "")
+    out = tmp_path / "routing.json"
+    runs = routing.main(
+        ["--workloads", "replicas,restart", "--routers", routers, "--qps", "4", "--duration", "2",
+         "--pods", "2", "--max-tokens", "4", "--out", str(out), "--no-plot"]
+    )  # fmt: skip
+    names = [r.strip() for r in routers.split(",")]
+    assert [(r["workload"], r["router"]) for r in runs] == [
+        (w, r) for w in ("replicas", "restart") for r in names
+    ]
+    for summary in runs:
+        assert summary["failed"] == 0 and summary["ok"] == summary["requests"] > 0
+        assert summary["ttft_s"]["p90"] > 0 and summary["fleet_hit_rate"] is not None
+        # Every request was served by one of the two pods, named in the response.
+        assert set(summary["pod_requests"]) <= {"sim-0", "sim-1"} and summary["pod_unknown_requests"] == 0
+        if summary["router"] == "kv-load":
+            assert 0 < summary["overhead_p50_ms"] < 1000
+        else:
+            assert summary["overhead_p50_ms"] is None
+    saved = json.loads(out.read_text())
+    assert saved["fleet"]["pods"] == 2 and len(saved["runs"]) == len(runs)
+    assert saved["workloads"]["replicas"]["replicas"] == 2
