@@ -74,7 +74,7 @@ class Buckets:
 class GatewayCounters:
     """One scrape of a gateway's metrics, summed over the labels the view does not show.
     ``routed``: (pod, outcome) -> requests, pod ``""`` when no pod answered; ``policies``: every
-    policy a sample was labelled with (none before the first routed request)."""
+    policy a sample was labelled with (``kvcache_gateway_policy`` names it from the start)."""
 
     policies: tuple[str, ...] = ()
     routed: Mapping[tuple[str, str], float] = field(default_factory=dict)

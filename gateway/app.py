@@ -31,7 +31,7 @@ import orjson
 from gateway import metrics
 from gateway.load import LoadTracker
 from gateway.memory import KeyMemory
-from gateway.policies import DEFAULT_ALPHA, Candidate, make_policy
+from gateway.policies import DEFAULT_ALPHA, Candidate, affinity_of, make_policy
 from scoring.config import ServiceConfig, owner_pod
 from scoring.index import IndexUnavailable, KVIndex
 from scoring.read_path import ChatRequest, KeyedRequest, key_chat, key_prompt, key_token_ids, look_up
@@ -99,6 +99,7 @@ class GatewayApp:
         self.handles = handles
         self.settings = settings
         self.policy = make_policy(settings.policy, rng=random.Random(settings.seed), alpha=settings.alpha)
+        metrics.POLICY.labels(settings.policy).set(1)
         self.speculative = KeyMemory(ttl=settings.speculative_seconds, max_keys=200_000)
         self.memory = KeyMemory(ttl=None, max_keys=1_000_000)
         self.load = LoadTracker()
@@ -185,8 +186,11 @@ class GatewayApp:
             )
         keys, matched = await self._prefix(config, model, lora, kind, payload, pods)
         now = time.monotonic()
-        candidates = [Candidate(pod, matched.get(pod, 0), self.load.of(pod, now=now)) for pod in pods]
-        ranked = self.policy.rank(candidates, blocks=len(keys))
+        candidates = []
+        for pod in pods:
+            load = self.load.of(pod, now=now)
+            candidates.append(Candidate(pod, matched.get(pod, 0), load, self.load.queued(pod, load)))
+        ranked = self.policy.rank(candidates, blocks=len(keys), affinity=affinity_of(keys))
         await self._forward(scope, receive, send, body, ranked, pods, model, keys, received)
 
     async def _prefix(

@@ -4,6 +4,12 @@ The gateway knows its requests at once; a pod's ``/metrics`` (``vllm:num_request
 ``vllm:num_requests_waiting``) also counts other clients' (another gateway replica, clients that
 skip the gateway) but is a scrape old. So a pod's load is ours now plus what its last scrape
 showed beyond ours then: ``in_flight + max(0, reported - in_flight_at_scrape)``.
+
+Not all of that load costs the same: an engine runs up to ``max_num_seqs`` requests in one batch
+(each slows the batch a little) and queues the rest (each waits for a whole request to finish).
+The tracker learns a pod's batch size as the most requests it was ever seen running at once
+(``slots``) and splits its load into ``running`` (up to that) and ``queued`` (beyond it). A pod
+never scraped has no slots known: all its load counts as queued.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import httpx
 
-from scoring.liveness import requests_in
+from scoring.liveness import requests_by_state
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +36,8 @@ class LoadTracker:
     def __init__(self) -> None:
         self.in_flight: dict[str, int] = defaultdict(int)
         self._reported: dict[str, tuple[float, int, float]] = {}  # pod -> (reported, ours then, at)
+        self.slots: dict[str, float] = {}
+        """Per pod, the most requests it was seen running at once (its batch size, as learned)."""
 
     def start(self, pod: str) -> None:
         self.in_flight[pod] += 1
@@ -47,13 +55,19 @@ class LoadTracker:
             return float(ours)
         return ours + max(0.0, reported - ours_then)
 
-    def observe(self, pod: str, reported: float, *, now: float | None = None) -> None:
-        """The pod's own count of running + waiting requests, as just scraped."""
+    def queued(self, pod: str, load: float) -> float:
+        """The part of ``load`` (the pod's, from :meth:`of`) beyond its known batch size."""
+        return max(0.0, load - self.slots.get(pod, 0.0))
+
+    def observe(self, pod: str, running: float, waiting: float = 0.0, *, now: float | None = None) -> None:
+        """The pod's own counts of running and waiting requests, as just scraped."""
         self._reported[pod] = (
-            reported,
+            running + waiting,
             self.in_flight.get(pod, 0),
             now if now is not None else time.monotonic(),
         )
+        if running > self.slots.get(pod, 0.0):
+            self.slots[pod] = running
 
     async def scrape_forever(
         self, client: httpx.AsyncClient, addresses: Callable[[], Mapping[str, str]]
@@ -71,6 +85,6 @@ class LoadTracker:
         try:
             response = await client.get(f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_SECONDS)
             if response.status_code == 200:
-                self.observe(pod, requests_in(response.content))
+                self.observe(pod, *requests_by_state(response.content))
         except httpx.HTTPError:
             pass  # its load is then ours alone, until the scrape goes stale

@@ -9,6 +9,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
     multiprocess,
@@ -20,6 +21,13 @@ OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1
 REGISTRY = CollectorRegistry()
 """The gateway's own (the default registry of a Django process holds the web's collectors)."""
 
+POLICY = Gauge(
+    "kvcache_gateway_policy",
+    "1 for the routing policy this gateway runs (set at start, so it is known before any request).",
+    ["policy"],
+    registry=REGISTRY,
+    multiprocess_mode="max",
+)
 REQUESTS = Counter(
     "kvcache_gateway_requests",
     "Requests routed, by policy, pod and outcome (ok, upstream_error, no_pod, client_gone).",

@@ -22,7 +22,7 @@
 | KVCACHE_REPLAY_TIMEOUT_SECONDS | 2.0 | how long ingest waits for an engine's replay of missed batches |
 | KVCACHE_REPLAY_PORT_OFFSET | "" (none) | replay endpoint = tcp://host:(port + offset) of the pod's address |
 | KVCACHE_GATEWAY_POLICY | kv-load | the gateway's routing policy (gateway/policies.py) |
-| KVCACHE_GATEWAY_ALPHA | 0.1 | kv-load: the weight of one in-flight request against a whole prefix hit |
+| KVCACHE_GATEWAY_ALPHA | 0.25 | kv-load: the weight of one waiting request against a whole prefix hit |
 | KVCACHE_SPECULATIVE_SECONDS | 2.0 | a routed request's blocks count as held by its pod this long |
 | KVCACHE_GATEWAY_RETRIES | 2 | next pods tried after a connect error or a 5xx before the first byte |
 | KVCACHE_GATEWAY_URLS | "" (none) | gateways whose routed requests the dashboard counts as scoring traffic |
@@ -221,7 +221,7 @@ KVCACHE_INGEST_MAX_PODS = int(os.environ.get("KVCACHE_INGEST_MAX_PODS", "4096"))
 # --- the OpenAI gateway (gateway/, manage.py gateway) --------------------------------------------
 KVCACHE_GATEWAY_POLICY = os.environ.get("KVCACHE_GATEWAY_POLICY", "kv-load")
 # kv-load's weight of one in-flight request against a whole prefix hit (0.1: ten requests of queue)
-KVCACHE_GATEWAY_ALPHA = float(os.environ.get("KVCACHE_GATEWAY_ALPHA", "0.1"))
+KVCACHE_GATEWAY_ALPHA = float(os.environ.get("KVCACHE_GATEWAY_ALPHA", "0.25"))
 # after routing, the chosen pod is taken to hold the request's blocks this long (until its events)
 KVCACHE_SPECULATIVE_SECONDS = float(os.environ.get("KVCACHE_SPECULATIVE_SECONDS", "2.0"))
 # next pods tried after a connect error or a 5xx before the first byte

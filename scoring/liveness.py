@@ -51,12 +51,23 @@ HEALTHS = ("unknown", "up", "busy", "down")
 (its ``/metrics``) while ingest has had no KV event from it for a while (``quiet``): it serves but
 its events do not arrive, so what the index holds of it goes stale."""
 
-_REQUESTS = re.compile(rb"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
+_REQUESTS = re.compile(rb"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
+
+
+def requests_by_state(exposition: bytes) -> tuple[float, float]:
+    """Running and waiting requests in a vLLM ``/metrics`` text (each summed over label sets)."""
+    running = waiting = 0.0
+    for state, value in _REQUESTS.findall(exposition):
+        if state == b"running":
+            running += float(value)
+        else:
+            waiting += float(value)
+    return running, waiting
 
 
 def requests_in(exposition: bytes) -> float:
     """Running plus waiting requests in a vLLM ``/metrics`` text (summed over label sets)."""
-    return sum(float(value) for value in _REQUESTS.findall(exposition))
+    return sum(requests_by_state(exposition))
 
 
 FAILURE_REASONS = ("connect", "timeout", "status", "error")

@@ -134,7 +134,9 @@ def check_the_gateways(page, gateway, refused: str) -> None:
     counted = gateway.metrics
     up = page.locator(f'#gateways tr[data-gateway="{gateway.url}"]')
     expect(up.locator('[data-col="status"]')).to_have_text("reachable", timeout=5_000)
-    expect(up.locator('[data-col="policy"]')).to_have_text("not known before its first request")
+    expect(up.locator('[data-col="policy"]')).to_have_text("—")  # its gauge not set yet
+    counted.POLICY.labels("kv-load").set(1)  # what GatewayApp does at start
+    expect(up.locator('[data-col="policy"]')).to_have_text("kv-load", timeout=5_000)
     counted.REQUESTS.labels("kv-load", "sim-0", "ok").inc(7)
     counted.REQUESTS.labels("kv-load", "sim-1", "ok").inc(3)
     counted.RETRIES.labels("kv-load", "connect").inc(1)

@@ -300,7 +300,7 @@
         setText(note, g.error || "");
       },
     },
-    { key: "policy", text: (g) => g.policy || (g.reachable ? "not known before its first request" : DASH) },
+    { key: "policy", text: (g) => g.policy || DASH },
     { key: "requests", num: true, text: (g) => fmt.int(g.requests) },
     { key: "requests_per_s", num: true, text: (g) => fmt.rate(g.requests_per_s) },
     { key: "outcomes", text: (g) => fmt.counts(g.outcomes), bad: (g) => g.outcomes && g.outcomes.upstream_error > 0 },
