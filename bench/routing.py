@@ -359,9 +359,13 @@ def _ratio_targets(by: dict, workload: str, ladder: list[float], aware: list[str
     line = (
         f"{workload} @ {q:g} qps (highest with kv-load TTFT p90 < {TTFT_LIMIT_S:g} s): kv-load {ours:.3f} s"
     )
-    random_ = _p90(by.get((workload, "random", q)))
-    met = "met" if random_ >= 10 * ours else "missed"
-    line += f"; random {random_:.3f} s = {random_ / ours:.1f}x (target >= 10x: {met})"
+    if (workload, "random", q) in by:
+        random_ = _p90(by[(workload, "random", q)])
+        met = "met" if random_ >= 10 * ours else "missed"
+        line += f"; random {random_:.3f} s = {random_ / ours:.1f}x (target >= 10x: {met})"
+    else:
+        line += f"; random not run at {q:g} qps"
+    aware = [p for p in aware if (workload, p, q) in by]
     if aware:
         best = min(aware, key=lambda p: _p90(by.get((workload, p, q))))
         theirs = _p90(by.get((workload, best, q)))

@@ -61,6 +61,10 @@ def test_targets_are_checked_at_the_highest_qps_kv_load_keeps_under_two_seconds(
     assert (
         "hot @ 8 qps: TTFT p90 kv-load inf s, best peer vllm-router:round_robin 9.000 s (missed)" in lines[3]
     )
+    alone = routing.check_targets([run("restart", "kv-load", 4, 1.5)])
+    assert alone == [
+        "restart @ 4 qps (highest with kv-load TTFT p90 < 2 s): kv-load 1.500 s; random not run at 4 qps"
+    ]
     never = routing.check_targets([run("restart", "kv-load", 4, 2.5)])
     assert never == ["restart: kv-load never keeps TTFT p90 under 2 s"]
 
