@@ -34,7 +34,15 @@ from gateway.memory import KeyMemory
 from gateway.policies import DEFAULT_ALPHA, Candidate, affinity_of, make_policy
 from scoring.config import ServiceConfig, owner_pod
 from scoring.index import IndexUnavailable, KVIndex
-from scoring.read_path import ChatRequest, KeyedRequest, key_chat, key_prompt, key_token_ids, look_up
+from scoring.read_path import (
+    ChatRequest,
+    KeyedRequest,
+    ScoreResult,
+    key_chat,
+    key_prompt,
+    key_token_ids,
+    look_up,
+)
 from scoring.sandbox import TemplateSandbox
 from scoring.snapshot import ConfigSource
 from scoring.tokenization import TokenizerRegistry
@@ -208,8 +216,12 @@ class GatewayApp:
         if source == "none":
             return [], {}
         loop = asyncio.get_running_loop()
+        wanted = frozenset(pods) if source == "index" else None
         try:
-            keyed = await loop.run_in_executor(self._executor, self._key, config, model, lora, kind, payload)
+            # One trip to the pool for both steps: each trip is a thread hand-off each way.
+            keyed, result = await loop.run_in_executor(
+                self._executor, self._key_and_look_up, config, model, lora, kind, payload, wanted
+            )
         except Exception as error:  # the pod will answer the request's own errors
             metrics.SCORE_FAILURES.labels(type(error).__name__).inc()
             log.debug("routing %s without its prefix: %s", model, error)
@@ -219,19 +231,35 @@ class GatewayApp:
         if source == "memory":
             return keys, self.memory.matched(model, keys, now=now)
         matched: dict[str, int] = {}
-        if keyed.needs_lookup:
-            keyed.wanted = frozenset(pods)
-            try:
-                result = await loop.run_in_executor(self._executor, self._look_up, keyed, config)
-            except IndexUnavailable:
-                metrics.SCORE_FAILURES.labels("index_unavailable").inc()
-            else:
-                for holder, score in result.scores.items():
-                    pod = owner_pod(holder)
-                    matched[pod] = max(matched.get(pod, 0), score.matched_blocks)
+        if result is not None:
+            for holder, score in result.scores.items():
+                pod = owner_pod(holder)
+                matched[pod] = max(matched.get(pod, 0), score.matched_blocks)
         for pod, n in self.speculative.matched(model, keys, now=now).items():
             matched[pod] = max(matched.get(pod, 0), n)
         return keys, matched
+
+    def _key_and_look_up(
+        self,
+        config: ServiceConfig,
+        model: str,
+        lora: str | None,
+        kind: str,
+        payload: dict,
+        wanted: frozenset[str] | None,
+    ) -> tuple[KeyedRequest, ScoreResult | None]:
+        """The request's keys and, when ``wanted`` names the pods to ask about, the index's
+        scores for them (``None`` when not asked, nothing can match or the index is unavailable,
+        which is counted)."""
+        keyed = self._key(config, model, lora, kind, payload)
+        if wanted is None or not keyed.needs_lookup:
+            return keyed, None
+        keyed.wanted = wanted
+        try:
+            return keyed, look_up(self.handles.index(), keyed, config=config)
+        except IndexUnavailable:
+            metrics.SCORE_FAILURES.labels("index_unavailable").inc()
+            return keyed, None
 
     def _key(
         self, config: ServiceConfig, model: str, lora: str | None, kind: str, payload: dict
@@ -266,9 +294,6 @@ class GatewayApp:
         if isinstance(prompt, list):
             return key_token_ids(config=config, model=model, token_ids=prompt, lora_name=lora)
         raise TypeError("prompt is neither text nor token ids")
-
-    def _look_up(self, keyed: KeyedRequest, config: ServiceConfig):
-        return look_up(self.handles.index(), keyed, config=config)
 
     async def _forward(
         self,

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 from scoring.keys import BlockKey
 
+_EXPIRED = float("-inf")  # the expiry of an entry a pod does not have
+
 
 class KeyMemory:
     def __init__(self, *, ttl: float | None, max_keys: int = 1_000_000) -> None:
@@ -55,17 +57,27 @@ class KeyMemory:
         out: dict[str, int] = {}
         with self._lock:
             entries = self._entries
-            alive: set[str] | None = None
-            for i, key in enumerate(keys):
-                holders = entries.get((model, key))
-                here = {p for p, until in holders.items() if until > now} if holders else set()
-                if alive is not None:
-                    for gone in alive - here:
-                        out[gone] = i
-                    here &= alive
-                if not here:
-                    return out
-                alive = here
-            for pod in alive or ():
-                out[pod] = len(keys)
+            first = entries.get((model, keys[0])) if keys else None
+            alive = [pod for pod, until in first.items() if until > now] if first else []
+            held = len(keys)
+            # Plain loops over the few pods still alive, no sets: this runs for every key of a
+            # long prompt, and most keys are held by every pod still alive.
+            for i in range(1, len(keys)):
+                if not alive:
+                    break
+                holders = entries.get((model, keys[i]))
+                if holders is None:
+                    held = i
+                    break
+                for pod in alive:
+                    if holders.get(pod, _EXPIRED) <= now:
+                        break
+                else:
+                    continue
+                for pod in alive:
+                    if holders.get(pod, _EXPIRED) <= now:
+                        out[pod] = i
+                alive = [pod for pod in alive if pod not in out]
+            for pod in alive:
+                out[pod] = held
         return out

@@ -16,12 +16,19 @@ The chain (vLLM ``v1/core/kv_cache_utils.py``)::
     key[i]    = int.from_bytes(digest[i][-8:], "big")
 
 with canonical CBOR. Only full blocks are hashed; a trailing partial block is dropped.
+
+Prompts repeat long prefixes (a system prompt, earlier turns), so the read path keys them through
+a :class:`ChainMemo`: a bounded LRU of chain steps that turns the shared blocks into one dictionary
+look-up each instead of an encoding and a SHA-256.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -33,7 +40,7 @@ ExtraKeys = tuple | None
 
 _U64 = (1 << 64) - 1
 _sha256 = hashlib.sha256
-_key = struct.Struct(">Q").unpack_from  # a 32-byte digest's block key: its bytes 24..32
+_KEY_OF_DIGEST = "24xQ"  # a 32-byte digest's block key, as a struct format: its bytes 24..32
 
 DEFAULT_BLOCK_SIZE = 16
 DIGEST_SIZE = 32
@@ -167,6 +174,100 @@ def chain_digests(
     return out
 
 
+DEFAULT_CHAIN_MEMO_STEPS = 65_536
+"""Chain steps a :class:`ChainMemo` keeps by default: 1M tokens of prefixes at block size 16, in
+about 22 MiB (~350 bytes a step at block size 16, 8 more per token of a larger block)."""
+
+_TOKEN_WORD = "Q"  # a token id as the memo stores it: unsigned 64-bit, the range vLLM hashes
+assert array(_TOKEN_WORD).itemsize == 8
+
+
+class ChainMemo:
+    """Thread-safe LRU of chain steps: ``(extra keys, parent digest, block tokens) -> digest``.
+
+    Invariant: a step is stored only as computed by :func:`chain_digests`, under a name that is the
+    whole input of that computation: the canonical CBOR of the extra keys (one complete CBOR item,
+    so never the start of another one), the 32-byte parent digest, then the block's token ids as
+    uint64 (their length gives the block size). So a chain read through the memo equals the chain
+    computed without it. A chain is read from its start up to the first step the memo lacks; the
+    rest is computed and stored. ``capacity`` bounds the steps kept (least recently used out
+    first; 0 disables the memo). Parents other than 32-byte digests are not memoized.
+    """
+
+    def __init__(self, *, capacity: int = DEFAULT_CHAIN_MEMO_STEPS) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self._steps: OrderedDict[bytes, Digest] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._steps.clear()
+
+    def chain_digests(
+        self,
+        tokens: Sequence[int],
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        parent: Digest,
+        extra: ExtraKeys = None,
+    ) -> list[Digest]:
+        """What :func:`chain_digests` returns (and raises) for the same arguments."""
+        n = len(tokens) // block_size * block_size if block_size > 0 else 0
+        if self.capacity == 0 or n == 0 or len(parent) != DIGEST_SIZE:
+            return chain_digests(tokens, block_size=block_size, parent=parent, extra=extra)
+        try:
+            packed = array(_TOKEN_WORD, tokens[:n]).tobytes()
+        except (OverflowError, TypeError):  # not a uint64: the plain chain says what is wrong
+            return chain_digests(tokens, block_size=block_size, parent=parent, extra=extra)
+        width = block_size * array(_TOKEN_WORD).itemsize
+        extra_head = _encode_extra(extra)
+        digests: list[Digest] = []
+        names: list[bytes] = []
+        prev = parent
+        with self._lock:
+            steps = self._steps
+            for start in range(0, len(packed), width):
+                name = extra_head + prev + packed[start : start + width]
+                digest = steps.get(name)
+                if digest is None:
+                    break
+                digests.append(digest)
+                names.append(name)
+                prev = digest
+            if len(names) * block_size == n:
+                self._keep(names, digests)
+                return digests
+        known = len(names)
+        computed = chain_digests(
+            tokens[known * block_size : n], block_size=block_size, parent=prev, extra=extra
+        )
+        for i, digest in enumerate(computed, start=known):
+            names.append(extra_head + prev + packed[i * width : (i + 1) * width])
+            prev = digest
+        digests += computed
+        with self._lock:
+            self._keep(names, digests)
+        return digests
+
+    def _keep(self, names: list[bytes], digests: list[Digest]) -> None:
+        """Store or refresh one chain's steps, its first step last: a chain is read from its start,
+        so its start must outlive its end in the LRU. The caller holds the lock."""
+        steps = self._steps
+        refresh = steps.move_to_end
+        for name, digest in zip(reversed(names), reversed(digests), strict=True):
+            try:
+                refresh(name)
+            except KeyError:  # a new step (or one evicted since it was read): it goes last
+                steps[name] = digest
+        while len(steps) > self.capacity:
+            steps.popitem(last=False)
+
+
 def block_keys(
     tokens: Sequence[int],
     *,
@@ -174,15 +275,19 @@ def block_keys(
     block_size: int = DEFAULT_BLOCK_SIZE,
     parent: Digest | None = None,
     lora_name: str | None = None,
+    memo: ChainMemo | None = None,
 ) -> list[BlockKey]:
     """Block keys of ``tokens`` as vLLM ``sha256_cbor`` computes them.
 
     ``parent`` continues an existing chain (its digest); otherwise the chain starts at the root
-    of ``seed``. ``lora_name`` becomes the first extra key of every block.
+    of ``seed``. ``lora_name`` becomes the first extra key of every block. ``memo`` reuses (and
+    keeps) chain steps computed before: the same keys, faster for a repeated prefix.
     """
     start = parent if parent is not None else root_digest(seed)
     extra = extra_keys(lora_name=lora_name)
-    return [_key(d, 24)[0] for d in chain_digests(tokens, block_size=block_size, parent=start, extra=extra)]
+    chain = chain_digests if memo is None else memo.chain_digests
+    digests = chain(tokens, block_size=block_size, parent=start, extra=extra)
+    return list(struct.unpack(">" + _KEY_OF_DIGEST * len(digests), b"".join(digests)))
 
 
 def extra_keys(*, lora_name: str | None = None) -> ExtraKeys:

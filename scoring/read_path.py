@@ -7,7 +7,8 @@ can say where the time goes:
 2. **tokenize**: the model's tokenizer through the prefix store (``TokenizerRegistry.tokenize``);
    skipped when the caller sends token ids;
 3. **keys**: vLLM's ``sha256_cbor`` block keys (``scoring.keys.block_keys``) from the hash seed,
-   the model's block size and the LoRA adapter name;
+   the model's block size and the LoRA adapter name, through ``BLOCK_KEY_MEMO`` (a repeated
+   prefix's blocks are looked up, not hashed again);
 4. **lookup**: one index round trip for the longest held run of keys, restricted to the asked
    pods; disabled pods and pods the liveness prober found down (``config.unscored_pods``) are
    taken out, with their data-parallel ranks;
@@ -29,12 +30,13 @@ from typing import Any
 from scoring.chat import ChatTemplateError, render_chat
 from scoring.config import ModelSettings, ServiceConfig, owner_pod
 from scoring.index import HolderMap, KVIndex
-from scoring.keys import BlockKey, block_keys
+from scoring.keys import BlockKey, ChainMemo, block_keys
 from scoring.sandbox import TemplateSandbox
 from scoring.scorer import PodScore, longest_prefix_scores
 from scoring.tokenization import Tokenization, TokenizerError, TokenizerRegistry, TooManyTokens
 
 __all__ = [
+    "BLOCK_KEY_MEMO",
     "ChatRequest",
     "ChatTemplateError",
     "InvalidInput",
@@ -44,6 +46,11 @@ __all__ = [
     "score_prompt",
     "score_token_ids",
 ]
+
+
+BLOCK_KEY_MEMO = ChainMemo()
+"""The chain steps of the keys this process computed for requests (scoring endpoints, gateway),
+shared by all of them: ``scoring.keys.DEFAULT_CHAIN_MEMO_STEPS`` steps at most (~22 MiB)."""
 
 
 class InvalidInput(ValueError):
@@ -147,9 +154,11 @@ def key_token_ids(
     pods: Collection[str] | None = None,
     timings: Timings | None = None,
     max_tokens: int | None = None,
+    memo: ChainMemo | None = BLOCK_KEY_MEMO,
 ) -> KeyedRequest:
     """Steps 3 and the pod filter: keys computed with ``config.seed``, the model's block size and
-    ``lora_name`` exactly as a ``sha256_cbor`` engine computes them.
+    ``lora_name`` exactly as a ``sha256_cbor`` engine computes them (through ``memo``: the same
+    keys; ``None`` hashes every block).
 
     Raises ``InvalidInput`` for a token id outside 0..2**64-1, or more token ids than the model's
     context length (``max_tokens``, else the model config's ``max_model_len``)."""
@@ -160,7 +169,9 @@ def key_token_ids(
         raise InvalidInput("token_ids", str(TooManyTokens(len(token_ids), limit)))
     started = time.perf_counter()
     try:
-        keys = block_keys(token_ids, seed=config.seed, block_size=settings.block_size, lora_name=lora_name)
+        keys = block_keys(
+            token_ids, seed=config.seed, block_size=settings.block_size, lora_name=lora_name, memo=memo
+        )
     except ValueError as error:
         raise InvalidInput("token_ids", str(error)) from error
     timings.keys = time.perf_counter() - started
