@@ -385,6 +385,9 @@ def plot(runs: list[dict], path: Path) -> Path:
     columns = min(3, len(workloads))
     rows_ = math.ceil(len(workloads) / columns)
     fig, axes = plt.subplots(rows_, columns, figsize=(5 * columns, 3.8 * rows_), dpi=110, squeeze=False)
+    from matplotlib.ticker import FuncFormatter
+
+    seconds = FuncFormatter(lambda value, _: f"{value:g}")
     routers = list(dict.fromkeys(s["router"] for s in runs))
     colors = {r: plt.cm.tab10(i % 10) for i, r in enumerate(routers)}
     for ax, workload in zip(axes.flat, workloads, strict=False):
@@ -398,6 +401,8 @@ def plot(runs: list[dict], path: Path) -> Path:
                 style = "-" if router in GATEWAY_POLICIES else "--"
                 ax.plot(*zip(*points, strict=True), style, marker="o", label=router, color=colors[router])
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(seconds)
+        ax.yaxis.set_minor_formatter(seconds)
         ax.set_title(workload)
         ax.set_xlabel("offered load (requests/s)")
         ax.set_ylabel("TTFT p90 (s)")
