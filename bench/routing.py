@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import sys
@@ -222,41 +223,44 @@ def run(args: argparse.Namespace) -> dict:
     stack = Stack(pods=args.pods, simulate_args=FLEET)
     log_dir = stack.tmp / "logs"
     log_dir.mkdir()
-    routers_ = Routers(stack, log_dir)
+    launcher = Routers(stack, log_dir)
     try:
-        for workload in workloads:
-            for router in routers:
-                for qps in ladder:
-                    started = time.monotonic()
-                    with routers_.running(router, workload.replicas) as urls:
-                        config = LoadgenConfig(
-                            pods=stack.pod_urls,
-                            target=urls[0],
-                            replicas=tuple(urls[1:]),
-                            label=router,
-                            max_tokens=args.max_tokens,
-                            concurrency=args.concurrency,
-                            observe_scores=False,
-                            settle=1.0,
-                            workload=workload.spec,
-                            block_size=BLOCK_SIZE,
-                        )
-                        result = asyncio.run(
-                            _step(config, workload, qps, args.duration, stack.pod_urls["sim-0"])
-                        )
-                        summary = summarize(result)
-                        summary["workload"] = workload.name
-                        summary["overhead_p50_ms"] = routers_.overhead_p50_ms(urls, router)
-                    document["runs"].append(summary)
-                    args.out.write_text(json.dumps(document, indent=1, default=str))
-                    print(
-                        f"{workload.name:9} {router:26} {qps:>4g} qps  {row(summary)}"
-                        f"  ({time.monotonic() - started:.0f} s)",
-                        flush=True,
-                    )
+        for workload, router, qps in itertools.product(workloads, routers, ladder):
+            started = time.monotonic()
+            summary = measure(launcher, workload, router, qps, args)
+            document["runs"].append(summary)
+            args.out.write_text(json.dumps(document, indent=1, default=str))
+            print(
+                f"{workload.name:9} {router:26} {qps:>4g} qps  {row(summary)}"
+                f"  ({time.monotonic() - started:.0f} s)",
+                flush=True,
+            )
     finally:
         stack.close()
     return document
+
+
+def measure(launcher: Routers, workload: Workload, router: str, qps: float, args: argparse.Namespace) -> dict:
+    """One run: ``router`` started fresh in front of the pods, the workload sent through it at
+    ``qps``; its summary, with the workload's name and the gateway's own time."""
+    pods = launcher.stack.pod_urls
+    with launcher.running(router, workload.replicas) as urls:
+        config = LoadgenConfig(
+            pods=pods,
+            target=urls[0],
+            replicas=tuple(urls[1:]),
+            label=router,
+            max_tokens=args.max_tokens,
+            concurrency=args.concurrency,
+            observe_scores=False,
+            settle=1.0,
+            workload=workload.spec,
+            block_size=BLOCK_SIZE,
+        )
+        summary = summarize(asyncio.run(_step(config, workload, qps, args.duration, pods["sim-0"])))
+        summary["workload"] = workload.name
+        summary["overhead_p50_ms"] = launcher.overhead_p50_ms(urls, router)
+    return summary
 
 
 # -- reporting -----------------------------------------------------------------------------
