@@ -92,14 +92,23 @@ def test_ingest_probes_pods_forgets_the_gone_and_expires_the_old(tmp_path, redis
     try:
         expected = {"up-pod": "up", "gone-pod": "down", "by-hand": "unknown"}
         wait_until(lambda: health() == expected, timeout=15, what=f"the registry to say {expected}")
-        wait_until(lambda: blocks_of(index, "gone-pod") == 0, timeout=10, what="gone-pod forgotten")
-        assert blocks_of(index, "gone-pod#dp1") == 0
+        # The pod and its ranks are cleared one after another: wait for both.
+        wait_until(
+            lambda: blocks_of(index, "gone-pod") == blocks_of(index, "gone-pod#dp1") == 0,
+            timeout=10,
+            what="gone-pod and its rank forgotten",
+        )
 
         url = f"http://127.0.0.1:{metrics_port}/metrics"
-        metrics = urllib.request.urlopen(url, timeout=5).read().decode()
-        assert 'kvcache_liveness_pods{health="down"} 1.0' in metrics
-        assert 'kvcache_liveness_probe_failures_total{reason="connect"}' in metrics
-        assert "kvcache_liveness_pods_forgotten_total 1.0" in metrics
+
+        def metrics() -> str:
+            return urllib.request.urlopen(url, timeout=5).read().decode()
+
+        # Counted just after the last clear.
+        forgotten = "kvcache_liveness_pods_forgotten_total 1.0"
+        wait_until(lambda: forgotten in metrics(), timeout=5, what="the forgetting counted")
+        assert 'kvcache_liveness_pods{health="down"} 1.0' in metrics()
+        assert 'kvcache_liveness_probe_failures_total{reason="connect"}' in metrics()
 
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=20)
