@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
-import httpx
+import aiohttp
 
 from scoring.liveness import requests_by_state
 
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SCRAPE_SECONDS = 1.0
 SCRAPE_TIMEOUT_SECONDS = 0.5
+_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
 REPORTED_FOR_SECONDS = 5.0
 """A scrape older than this no longer counts (the pod stopped answering its metrics)."""
 
@@ -70,7 +71,7 @@ class LoadTracker:
             self.slots[pod] = running
 
     async def scrape_forever(
-        self, client: httpx.AsyncClient, addresses: Callable[[], Mapping[str, str]]
+        self, client: aiohttp.ClientSession, addresses: Callable[[], Mapping[str, str]]
     ) -> None:
         """Every ``SCRAPE_SECONDS``: every pod's ``/metrics``, concurrently (until cancelled)."""
         while True:
@@ -81,10 +82,10 @@ class LoadTracker:
                 )
             await asyncio.sleep(SCRAPE_SECONDS)
 
-    async def _scrape(self, client: httpx.AsyncClient, pod: str, address: str) -> None:
+    async def _scrape(self, client: aiohttp.ClientSession, pod: str, address: str) -> None:
         try:
-            response = await client.get(f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_SECONDS)
-            if response.status_code == 200:
-                self.observe(pod, *requests_by_state(response.content))
-        except httpx.HTTPError:
+            async with client.get(f"http://{address}/metrics", timeout=_SCRAPE_TIMEOUT) as response:
+                if response.status == 200:
+                    self.observe(pod, *requests_by_state(await response.read()))
+        except (aiohttp.ClientError, TimeoutError):
             pass  # its load is then ours alone, until the scrape goes stale
