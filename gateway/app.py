@@ -108,7 +108,10 @@ class GatewayApp:
         self.settings = settings
         self.policy = make_policy(settings.policy, rng=random.Random(settings.seed), alpha=settings.alpha)
         metrics.POLICY.labels(settings.policy).set(1)
+        # Speculative entries: this replica's own, exact and at once, and the index's, shared
+        # with the other replicas (a round trip later).
         self.speculative = KeyMemory(ttl=settings.speculative_seconds, max_keys=200_000)
+        self._sharing = settings.speculative_seconds > 0
         self.memory = KeyMemory(ttl=None, max_keys=1_000_000)
         self.load = LoadTracker()
         self._executor = ThreadPoolExecutor(settings.threads, thread_name_prefix="gateway")
@@ -222,7 +225,7 @@ class GatewayApp:
         wanted = frozenset(pods) if source == "index" else None
         try:
             # One trip to the pool for both steps: each trip is a thread hand-off each way.
-            keyed, result = await loop.run_in_executor(
+            keyed, result, shared = await loop.run_in_executor(
                 self._executor, self._key_and_look_up, config, model, lora, kind, payload, wanted
             )
         except Exception as error:  # the pod will answer the request's own errors
@@ -238,8 +241,9 @@ class GatewayApp:
             for holder, score in result.scores.items():
                 pod = owner_pod(holder)
                 matched[pod] = max(matched.get(pod, 0), score.matched_blocks)
-        for pod, n in self.speculative.matched(model, keys, now=now).items():
-            matched[pod] = max(matched.get(pod, 0), n)
+        for speculated in (shared, self.speculative.matched(model, keys, now=now)):
+            for pod, n in speculated.items():
+                matched[pod] = max(matched.get(pod, 0), n)
         return keys, matched
 
     def _key_and_look_up(
@@ -250,19 +254,33 @@ class GatewayApp:
         kind: str,
         payload: dict,
         wanted: frozenset[str] | None,
-    ) -> tuple[KeyedRequest, ScoreResult | None]:
+    ) -> tuple[KeyedRequest, ScoreResult | None, dict[str, int]]:
         """The request's keys and, when ``wanted`` names the pods to ask about, the index's
         scores for them (``None`` when not asked, nothing can match or the index is unavailable,
-        which is counted)."""
+        which is counted) and the index's speculative entries (every gateway replica's)."""
         keyed = self._key(config, model, lora, kind, payload)
         if wanted is None or not keyed.needs_lookup:
-            return keyed, None
+            return keyed, None, {}
         keyed.wanted = wanted
+        index = self.handles.index()
         try:
-            return keyed, look_up(self.handles.index(), keyed, config=config)
+            result = look_up(index, keyed, config=config)
+            shared = index.speculated(model=model, keys=keyed.keys) if self._sharing else {}
         except IndexUnavailable:
             metrics.SCORE_FAILURES.labels("index_unavailable").inc()
-            return keyed, None
+            return keyed, None, {}
+        return keyed, result, shared
+
+    def _share_speculation(self, model: str, pod: str, keys: list[int]) -> None:
+        """The speculative entry, written to the index for the other replicas (in the pool, off
+        the request's path; failures are counted)."""
+        try:
+            self.handles.index().speculate(
+                model=model, pod=pod, keys=keys, seconds=self.settings.speculative_seconds
+            )
+        except Exception as error:
+            metrics.SCORE_FAILURES.labels(f"speculate_{type(error).__name__}").inc()
+            log.debug("could not share the speculative entry of %s: %s", pod, error)
 
     def _key(
         self, config: ServiceConfig, model: str, lora: str | None, kind: str, payload: dict
@@ -338,6 +356,8 @@ class GatewayApp:
                     continue
                 if self.policy.source == "index":
                     self.speculative.record(model, keys, pod, now=time.monotonic())
+                    if self._sharing and keys:
+                        self._executor.submit(self._share_speculation, model, pod, keys)
                 elif self.policy.source == "memory":
                     self.memory.record(model, keys, pod, now=time.monotonic())
                 metrics.MATCHED.labels(policy).inc(candidate.matched)

@@ -12,6 +12,13 @@ Besides the blocks, two small records let ingest notice what the index lost or m
 * epoch markers: one opaque string per model (``set_epoch`` / ``epochs``), which only the loss of
   the backing store's data removes (a Redis ``FLUSHALL`` or a restart without persistence).
 
+Speculative entries (``speculate`` / ``speculated``): a router's guess that a pod is about to
+hold a request's blocks, shared with the other routers (replicas of one gateway) until the pod's
+own KV events can say so. They expire after the seconds given, are kept apart from the blocks
+(a lookup never sees them) and only at every ``SPECULATION_STRIDE``-th block of a chain and its
+last: block keys are chained, so holding the key at a position means holding the whole prefix up
+to it.
+
 Slices: no write holds the backend (the Redis server, the memory index's lock) for long. A store
 or remove of more than the backend's ``slice_blocks`` blocks or engine hashes is applied in
 several slices of at most that many, and a ``clear_pod`` (``clear_model``) removes at most that
@@ -109,6 +116,34 @@ LookupQuery = tuple[Sequence[BlockKey], Collection[str] | None]
 """One ``lookup``'s arguments, for ``lookup_many``: the keys, and the pods (``None``: every pod)."""
 
 
+SPECULATION_STRIDE = 8
+"""Speculative entries are kept at every 8th block of a chain (128 tokens at 16 per block) and at
+its last: 1/8 of the writes and reads, prefixes matched to within 8 blocks."""
+
+
+def speculation_points(n: int) -> list[int]:
+    """The positions in a chain of ``n`` keys that speculative entries are written and read at:
+    every ``SPECULATION_STRIDE``-th and the last."""
+    points = list(range(SPECULATION_STRIDE - 1, n, SPECULATION_STRIDE))
+    if n and (not points or points[-1] != n - 1):
+        points.append(n - 1)
+    return points
+
+
+def speculated_runs(points: Sequence[int], holders: Sequence[Collection[str]]) -> dict[str, int]:
+    """Per pod, the blocks up to and including the last of ``points`` it holds without a gap from
+    the first (``holders``: the pods speculated at each point, in order); pods with none left out."""
+    out: dict[str, int] = {}
+    alive: set[str] | None = None
+    for point, present in zip(points, holders, strict=True):
+        alive = set(present) if alive is None else alive.intersection(present)
+        if not alive:
+            break
+        for pod in alive:
+            out[pod] = point + 1
+    return out
+
+
 class IndexUnavailable(RuntimeError):
     """The backing store cannot be reached (the API answers 503)."""
 
@@ -182,6 +217,17 @@ class KVIndex(Protocol):
 
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         """``lookup`` for each ``(keys, pods)`` query under ``model``, in order, in one round trip."""
+
+    def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
+        """Take ``pod`` to hold ``keys`` (a request's block keys, in order) for ``seconds``: a
+        router's speculative entry, seen by every reader of this index through ``speculated``
+        (module docstring). Bounded: entries expire; the memory index also keeps at most a fixed
+        number of them."""
+
+    def speculated(self, *, model: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+        """Per pod, how many leading ``keys`` an unexpired speculative entry says it holds (to the
+        last speculation point it holds: a multiple of ``SPECULATION_STRIDE``, or all of them);
+        pods with none left out. One round trip."""
 
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod`` (under ``model``, or under every model), in slices;

@@ -65,6 +65,8 @@ from scoring.index.base import (
     StoredBlock,
     Tier,
     slices,
+    speculated_runs,
+    speculation_points,
 )
 from scoring.keys import BlockKey, Digest, key_of
 
@@ -72,6 +74,8 @@ DEFAULT_MAX_KEYS = 10_000_000
 DEFAULT_POD_CACHE_SIZE = 128
 """Holders kept per key. Upstream keeps 10; a fleet whose pods all cache one long system prompt
 would then show only 10 of them warm, so we keep enough for a large fleet (and Redis keeps all)."""
+MAX_SPECULATIVE_KEYS = 200_000
+"""Speculation points kept (least recently written go first): ~25 per 3,000-token request."""
 DEFAULT_SLICE_BLOCKS = 4096
 """Blocks, engine hashes or cleared entries handled per hold of the lock: ~7 ms for a store, ~12 ms
 for a remove, ~8 ms for a clear (``bench/index_slices.py``; a collection of CPython's oldest
@@ -205,6 +209,10 @@ class MemoryIndex:
         self._bytes = 0
         self._progress: dict[tuple[str, str], int] = {}
         self._epochs: dict[str, str] = {}
+        # (model, key) -> pod -> expiry (monotonic), under a lock of its own: routers' guesses
+        # never wait for ingest's writes.
+        self._speculative: OrderedDict[tuple[str, BlockKey], dict[str, float]] = OrderedDict()
+        self._speculative_lock = threading.Lock()
 
     def __len__(self) -> int:
         """The number of ``(model, block key)`` entries (never more than ``max_keys``)."""
@@ -305,6 +313,35 @@ class MemoryIndex:
 
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         return [self.lookup(model=model, keys=keys, pods=pods) for keys, pods in queries]
+
+    def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
+        now = time.monotonic()
+        until = now + seconds
+        with self._speculative_lock:
+            entries = self._speculative
+            for point in speculation_points(len(keys)):
+                ident = (model, keys[point])
+                holders = entries.get(ident)
+                if holders is None:
+                    holders = entries[ident] = {}
+                else:
+                    entries.move_to_end(ident)
+                    for other in [p for p, expiry in holders.items() if expiry <= now]:
+                        del holders[other]
+                holders[pod] = until
+            while len(entries) > MAX_SPECULATIVE_KEYS:
+                entries.popitem(last=False)
+
+    def speculated(self, *, model: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+        points = speculation_points(len(keys))
+        now = time.monotonic()
+        with self._speculative_lock:
+            get = self._speculative.get
+            holders = [
+                [pod for pod, expiry in get((model, keys[point]), {}).items() if expiry > now]
+                for point in points
+            ]
+        return speculated_runs(points, holders)
 
     def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
         with self._lock:

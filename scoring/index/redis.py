@@ -12,6 +12,9 @@ percent-encoded by ``encode_name``; ``K`` is a block key as 16 lower-case hex di
     kv:{M}:seq        HASH   H -> seq              progress: the last event seq applied per holder
                                                    H (a pod or "pod#dp<r>", encoded), decimal
     kv:{M}:epoch      STRING opaque marker         set by ingest, removed only with the data
+    kv:{M}:s:K        STRING "P=U P=U ..."         speculative entries at block key K: pod P
+                                                   until U (Unix ms, the writer's clock); the
+                                                   key expires with its last entry
     kv:models         SET    model names           models written through any client (a superset)
 
 A block is a STRING of space-separated entries rather than a HASH so that a lookup is a single
@@ -62,7 +65,9 @@ Cost on the server: the store and remove scripts make a fixed number of variadic
 call, clear_pod per 1000 keys, not a few per block: reads with ``MGET`` / ``HMGET``, writes with
 ``MSET``, ``HSET``, ``SADD``, ``DEL``, ... (see ``_LUA_HELPERS``).
 
-No TTLs and no per-key bound: an entry lives until it is removed, cleared, or its model cleared.
+No TTLs and no per-key bound: an entry lives until it is removed, cleared, or its model cleared;
+speculative entries are the exception, written by routers with an expiry of a few seconds (a
+script per routed request that rewrites its ~1/8 of the request's keys, filtering the expired).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
@@ -91,6 +97,8 @@ from scoring.index.base import (
     StoredBlock,
     Tier,
     slices,
+    speculated_runs,
+    speculation_points,
 )
 from scoring.keys import BlockKey, Digest
 
@@ -124,6 +132,7 @@ class _ModelKeys:
     pods: bytes  # kv:{M}:pods
     seq: bytes  # kv:{M}:seq
     epoch: bytes  # kv:{M}:epoch
+    speculative_prefix: bytes  # kv:{M}:s:
 
     def pod_keys(self, pod: bytes) -> tuple[bytes, bytes, bytes]:
         """The tier-set prefix, engine map and key -> engine hashes map of an encoded pod."""
@@ -140,6 +149,7 @@ def _model_keys(namespace: str, model: str) -> _ModelKeys:
         pods=tagged + b"pods",
         seq=tagged + b"seq",
         epoch=tagged + b"epoch",
+        speculative_prefix=tagged + b"s:",
     )
 
 
@@ -563,7 +573,29 @@ end
 return out
 """)
 
-_SCRIPTS = (_STORE, _REMOVE, _CLEAR_POD, _PROGRESS, _POD_BLOCKS)
+# KEYS: the speculative keys kv:{M}:s:K of one request. ARGV: encoded pod P, now and until (Unix
+# ms, integers). Each key keeps its unexpired entries of other pods, gets "P=until", and expires
+# with the last of its entries.
+_SPECULATE = _Script("""#!lua
+local pod, now, mine = ARGV[1], tonumber(ARGV[2]), ARGV[1] .. '=' .. ARGV[3]
+for _, key in ipairs(KEYS) do
+  local entries, last, value = {mine}, tonumber(ARGV[3]), redis.call('GET', key)
+  if value then
+    for entry in string.gmatch(value, '%S+') do
+      local at = string.find(entry, '=', 1, true)
+      local until_ms = tonumber(string.sub(entry, at + 1))
+      if string.sub(entry, 1, at - 1) ~= pod and until_ms > now then
+        entries[#entries + 1] = entry
+        if until_ms > last then last = until_ms end
+      end
+    end
+  end
+  redis.call('SET', key, table.concat(entries, ' '), 'PX', math.max(1, last - now))
+end
+return #KEYS
+""")
+
+_SCRIPTS = (_STORE, _REMOVE, _CLEAR_POD, _PROGRESS, _POD_BLOCKS, _SPECULATE)
 
 
 def _raise_if_error(reply: Any) -> Any:
@@ -868,6 +900,38 @@ class RedisIndex:
         for i, values in zip(asked, pipe.execute(), strict=True):
             out[i] = _held_run(values, wanted[i])
         return out
+
+    @_unavailable_on_connection_error
+    def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
+        """One script call: the request's speculation points get ``pod``'s entry."""
+        points = speculation_points(len(keys))
+        if not points or seconds <= 0:
+            return
+        prefix = _model_keys(self._namespace, model).speculative_prefix
+        names = _block_names(prefix, [keys[point] for point in points])
+        now = int(time.time() * 1000)
+        self._run(_SPECULATE, names, [encode_name(pod), now, now + max(1, int(seconds * 1000))])
+
+    @_unavailable_on_connection_error
+    def speculated(self, *, model: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+        """One ``MGET`` of the speculation points of ``keys``."""
+        points = speculation_points(len(keys))
+        if not points:
+            return {}
+        prefix = _model_keys(self._namespace, model).speculative_prefix
+        values = self._client.mget(_block_names(prefix, [keys[point] for point in points]))
+        now = int(time.time() * 1000)
+        holders: list[list[str]] = []
+        for value in values:
+            if value is None:
+                break  # a run ends at the first point nobody holds
+            held = []
+            for entry in value.split():
+                pod, _, until = entry.partition(b"=")
+                if int(until) > now:
+                    held.append(decode_name(pod))
+            holders.append(held)
+        return speculated_runs(points[: len(holders)], holders)
 
     @_unavailable_on_connection_error
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:

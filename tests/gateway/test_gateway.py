@@ -18,6 +18,7 @@ import uvicorn
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
 from scoring.config import ServiceConfig
 from scoring.index import open_index
+from scoring.read_path import key_prompt
 from scoring.snapshot import ConfigSource
 from scoring.tokenization import TokenizerRegistry
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
@@ -188,6 +189,20 @@ def test_speculative_entries_keep_a_burst_together_then_expire(system: System) -
     assert int(complete(url, LONG).headers["x-kvcache-matched-blocks"]) > 0
     time.sleep(0.6)
     assert complete(url, LONG).headers["x-kvcache-matched-blocks"] == "0"
+
+
+def test_replicas_share_their_speculative_entries_through_the_index(system: System) -> None:
+    system.harness.pipeline.receiver.stop()  # no KV events reach the index from now on
+    first, second = system.gateway(speculative_seconds=30), system.gateway(speculative_seconds=30)
+    pod = complete(first, LONG).headers["x-kvcache-pod"]
+    keys = key_prompt(
+        tokenizers=system.tokenizers, config=system.config(), model=MODEL, prompt=LONG, lora_name=None
+    ).keys
+    wait_until(lambda: system.index.speculated(model=MODEL, keys=keys), what="the shared entry")
+    for _ in range(3):  # the other replica has routed nothing yet, and the index has no blocks
+        again = complete(second, LONG + " and more")
+        assert again.headers["x-kvcache-pod"] == pod
+        assert int(again.headers["x-kvcache-matched-blocks"]) >= len(keys) - 8
 
 
 def test_load_breaks_ties_and_spreads_a_burst_without_prefixes(system: System) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -695,3 +696,41 @@ def test_100_concurrent_writers_and_readers_leave_a_consistent_index(index: KVIn
         blocks[7].digest,
         None,
     ]
+
+
+# -- speculative entries -----------------------------------------------------------------------
+
+LONG = keys(chain(20))  # speculation points 7, 15 and 19
+
+
+def test_a_speculative_entry_is_read_back_by_its_prefix_to_the_last_point_it_holds(
+    index: KVIndex,
+) -> None:
+    index.speculate(model=MODEL, pod="pod1", keys=LONG, seconds=30)
+
+    assert index.speculated(model=MODEL, keys=LONG) == {"pod1": 20}
+    # A request sharing the first 18 blocks: the points 7 and 15 are held, 17 (its last) is not.
+    assert index.speculated(model=MODEL, keys=LONG[:18]) == {"pod1": 16}
+    assert index.speculated(model=MODEL, keys=LONG[:7]) == {}  # its only point, 6, was never written
+    assert index.speculated(model=MODEL, keys=keys(chain(20, first_token=1))) == {}
+    assert index.speculated(model="another/model", keys=LONG) == {}
+    assert index.speculated(model=MODEL, keys=[]) == {}
+
+
+def test_speculative_entries_of_several_pods_live_side_by_side(index: KVIndex) -> None:
+    index.speculate(model=MODEL, pod="pod1", keys=LONG, seconds=30)
+    index.speculate(model=MODEL, pod="pod 2@x", keys=LONG[:16], seconds=30)
+    index.speculate(model=MODEL, pod="pod1", keys=LONG, seconds=30)  # again: one entry, renewed
+
+    assert index.speculated(model=MODEL, keys=LONG) == {"pod1": 20, "pod 2@x": 16}
+
+
+def test_speculative_entries_expire_and_are_not_blocks(index: KVIndex) -> None:
+    index.speculate(model=MODEL, pod="pod1", keys=LONG, seconds=0.3)
+    index.speculate(model=MODEL, pod="pod2", keys=LONG, seconds=30)
+
+    assert index.lookup(model=MODEL, keys=LONG) == []
+    assert index.pod_blocks() == []
+    assert index.speculated(model=MODEL, keys=LONG) == {"pod1": 20, "pod2": 20}
+    time.sleep(0.4)
+    assert index.speculated(model=MODEL, keys=LONG) == {"pod2": 20}

@@ -570,3 +570,18 @@ def test_stores_and_removes_larger_than_a_lua_unpack_agree_with_the_memory_index
     assert index.clear_pod(pod="pod1", model=MODEL) == oracle.clear_pod(pod="pod1", model=MODEL) == 3500
     assert index.lookup(model=MODEL, keys=keys(blocks[1000:])) == [{"pod2": GPU}] * 4000
     assert_consistent(server)
+
+
+def test_speculative_entries_follow_the_documented_layout_and_expire_on_the_server(
+    index: RedisIndex, server: redis.Redis
+) -> None:
+    blocks = chain(8)
+    index.speculate(model="a}b", pod="pod:1", keys=keys(blocks), seconds=5)
+    index.speculate(model="a}b", pod="pod2", keys=keys(blocks), seconds=2)
+
+    name = f"kv:{{a%7Db}}:s:{blocks[7].key:016x}"
+    assert [name.encode()] == [n for n in server.scan_iter() if n != b"kv:models"]
+    entries = dict(e.split(b"=") for e in server.get(name).split())
+    assert set(entries) == {b"pod%3A1", b"pod2"}
+    assert int(entries[b"pod%3A1"]) - int(entries[b"pod2"]) == pytest.approx(3000, abs=500)
+    assert 4000 < server.pttl(name) <= 5000  # the key goes with its last entry
