@@ -186,7 +186,7 @@ async def _step(config: LoadgenConfig, workload: Workload, qps: float, duration:
     step = run_step(config, qps=qps, duration=duration)
     if not workload.restart:
         return await step
-    # run_step resets every cache and waits ``settle`` before its first request.
+    # run_step resets every cache (``reset_prefix_cache``) and waits ``settle`` before its first request.
     result, _ = await asyncio.gather(step, _reset_later(restart_url, config.settle + duration / 2))
     return result
 
@@ -240,23 +240,33 @@ def run(args: argparse.Namespace) -> dict:
     return document
 
 
+def loadgen_config(
+    pods: dict[str, str], urls: list[str], router: str, workload: Workload, args: argparse.Namespace
+) -> LoadgenConfig:
+    """One run's loadgen configuration: the workload through ``urls`` (the router, then its
+    replicas), every pod's prefix cache reset first (loadgen keeps caches unless asked), so that
+    routers are compared from the same empty caches."""
+    return LoadgenConfig(
+        pods=pods,
+        target=urls[0],
+        replicas=tuple(urls[1:]),
+        label=router,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        observe_scores=False,
+        reset_prefix_cache=True,
+        settle=1.0,
+        workload=workload.spec,
+        block_size=BLOCK_SIZE,
+    )
+
+
 def measure(launcher: Routers, workload: Workload, router: str, qps: float, args: argparse.Namespace) -> dict:
     """One run: ``router`` started fresh in front of the pods, the workload sent through it at
     ``qps``; its summary, with the workload's name and the gateway's own time."""
     pods = launcher.stack.pod_urls
     with launcher.running(router, workload.replicas) as urls:
-        config = LoadgenConfig(
-            pods=pods,
-            target=urls[0],
-            replicas=tuple(urls[1:]),
-            label=router,
-            max_tokens=args.max_tokens,
-            concurrency=args.concurrency,
-            observe_scores=False,
-            settle=1.0,
-            workload=workload.spec,
-            block_size=BLOCK_SIZE,
-        )
+        config = loadgen_config(pods, urls, router, workload, args)
         summary = summarize(asyncio.run(_step(config, workload, qps, args.duration, pods["sim-0"])))
         summary["workload"] = workload.name
         summary["overhead_p50_ms"] = launcher.overhead_p50_ms(urls, router)

@@ -9,15 +9,22 @@ Definitions (the summary's keys):
   request sent to last one finished).
 - ``fleet_hit_rate``: sum over pods of the growth of ``vllm:prefix_cache_hits_total`` divided
   by the growth of ``vllm:prefix_cache_queries_total`` between the scrapes before and after the
-  run (tokens). Pods that did not answer both scrapes are left out (``metrics_pods`` says how
+  run (tokens: all the traffic the pods served meanwhile, not only this run's, and hits on
+  whatever they held before it). Pods that did not answer both scrapes are left out (``metrics_pods`` says how
   many counted); None when no pod counted or nothing was queried. ``fleet_prefix_hits`` /
   ``fleet_prefix_queries`` are None (unknown, not 0) when no pod counted, e.g. a ``--target``
   run given no pods.
 - ``usage_hit_rate``: the same from the responses, cached_tokens / prompt_tokens.
-- ``oracle_hit_rate_est``: what a router with perfect knowledge and unbounded caches could reach,
-  estimated on prompt text: each prompt's longest prefix (in whole 64-character chunks, the
-  stand-in for KV blocks) shared with any earlier prompt or prompt + answer, over all prompt
-  characters (successful requests only). Characters stand in for tokens, so it is an estimate.
+- ``prefix_reuse_est`` (``reuse~`` in the table): the prefix reuse the workload itself offers,
+  i.e. the hit rate of one prefix cache of unbounded size, empty at the start and fed only this
+  run's requests, estimated on prompt text: each prompt's longest prefix (in whole 64-character
+  chunks, the stand-in for KV blocks) shared with the prompt or prompt + answer of a request
+  answered before it, over all prompt characters (successful requests only). It bounds
+  ``fleet_hit_rate`` only when the pods' caches start empty (``--reset-prefix-cache``) and serve
+  nothing else meanwhile: a fleet that still holds an earlier run's prefixes, or also serves
+  other traffic (``make run``'s demo load), can exceed it, so it is no oracle (results written
+  before call it ``oracle_hit_rate_est``). Characters stand in for tokens, so even then the two
+  may differ by about a point.
 - ``route_ms``: p50/p99 from taking a concurrency slot to sending to the pod: the score call
   (made for every router unless score observation is off) plus the choice.
 - ``best_score_share``: among requests whose scores were known and where some pod scored above 0,
@@ -89,8 +96,8 @@ class StepResult:
     score_calls: int = 0
     score_failures: int = 0
     fallbacks: int = 0
-    oracle_hit_chars: int = 0
-    oracle_total_chars: int = 0
+    reuse_hit_chars: int = 0
+    reuse_total_chars: int = 0
     notes: list[str] = field(default_factory=list)
     target: str | None = None
     block_size: int = 16
@@ -140,8 +147,10 @@ def predicted_cached_tokens(*, matched_blocks: int, block_size: int, prompt_toke
     return tokens
 
 
-class OracleEstimate:
-    """How much of each prompt a perfect router with unbounded caches could serve from cache.
+class PrefixReuse:
+    """How much of each prompt repeats a prefix of the requests answered before it: what one
+    prefix cache of unbounded size, shared by every request and empty at the start, could serve
+    (``prefix_reuse_est``).
 
     Texts are cut into ``chunk``-character pieces keyed by a chain hash (each key covers the
     whole prefix up to it, as KV block keys do), so a prompt's reusable prefix is its run of
@@ -219,9 +228,7 @@ def summarize(step: StepResult) -> dict:
         "fleet_prefix_queries": queries if counted else None,
         "metrics_pods": counted,
         "usage_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
-        "oracle_hit_rate_est": (
-            step.oracle_hit_chars / step.oracle_total_chars if step.oracle_total_chars else None
-        ),
+        "prefix_reuse_est": step.reuse_hit_chars / step.reuse_total_chars if step.reuse_total_chars else None,
         "best_score_share": sum(judged) / len(judged) if judged else None,
         "best_score_requests": len(judged),
         "score_calls": step.score_calls,
@@ -254,9 +261,19 @@ COLUMNS = (
     ("e2e_s.p99", "p99"),
     ("output_tokens_per_s", "out tok/s"),
     ("fleet_hit_rate", "hit rate"),
-    ("oracle_hit_rate_est", "oracle~"),
+    ("prefix_reuse_est", "reuse~"),
     ("best_score_share", "best pick"),
     ("score_fallbacks", "fallbacks"),
+)
+
+# Printed under the table: what the columns that do not explain themselves measure.
+LEGEND = (
+    "hit rate   the pods' own prefix-cache hits / queries in the run, in tokens (all traffic they served)",
+    "reuse~     the workload's prefix reuse: the hit rate one unbounded cache, empty at the start and fed",
+    "           only this run, would reach (estimated on text); a fleet beats it when its caches held",
+    "           prefixes before the run (no --reset-prefix-cache) or it served other traffic meanwhile",
+    "best pick  requests sent to a pod with the highest score, of those where some pod scored above 0",
+    "fallbacks  kv requests routed least-loaded because the score call failed",
 )
 
 

@@ -1,9 +1,11 @@
 """Runs the workload against a fleet: Poisson arrivals, routing, streaming, measuring.
 
 One *step* is one router at one QPS. Every step replays the same workload and, at a given QPS,
-the same arrival times (both seeded), so routers are compared on identical traffic. By default
-each step starts from empty prefix caches (``POST /reset_prefix_cache`` on every pod, then
-``settle`` seconds for the pods' AllBlocksCleared events to reach the index).
+the same arrival times (both seeded), so routers are compared on identical traffic. With
+``reset_prefix_cache`` each step starts from empty prefix caches (``POST /reset_prefix_cache`` on
+every pod, then ``settle`` seconds for the pods' AllBlocksCleared events to reach the index); it
+is off by default, as resetting a fleet that serves real traffic throws its cache away. Without
+it a step starts from whatever the pods hold, an earlier step's prefixes included.
 
 Per request: wait for the session's previous turn (multi-turn), take a concurrency slot, ask
 the scoring service for scores (kv routers need them; for the others they are fetched too,
@@ -15,17 +17,21 @@ With a *target* (``LoadgenConfig.target``: our gateway, or a peer router) loadge
 route: every request goes to the target's OpenAI endpoint, and a step is that target at one QPS,
 named by ``label``. The pod that served a request is the one the response names in its
 ``x-kvcache-pod`` header, unknown without it. The pods, when given, are still what loadgen
-resets and scrapes (fleet hit rate) and what the observed scores are asked about; without pods
-those figures are unknown.
+resets (when asked) and scrapes (fleet hit rate) and what the observed scores are asked about;
+without pods those figures are unknown.
+
+Scores come from ``score_url``. ``manage.py loadgen`` defaults it to the web server of ``make
+run`` on this machine, on ``$WEB_PORT`` (:func:`default_score_url`); 8000 is only the fallback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
@@ -33,7 +39,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from simulator.loadgen.client import fetch_scores, reset_prefix_cache, scrape_fleet, send_completion
-from simulator.loadgen.report import OracleEstimate, RequestRecord, StepResult
+from simulator.loadgen.report import PrefixReuse, RequestRecord, StepResult
 from simulator.loadgen.routers import (
     DEFAULT_ALPHA,
     InFlight,
@@ -56,6 +62,7 @@ from simulator.loadgen.workload import (
     turn_stream,
 )
 
+# The scoring API when nothing says where the web server is: `manage.py serve`'s default port.
 DEFAULT_SCORE_URL = "http://127.0.0.1:8000/api/v1/score"
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 
@@ -76,7 +83,8 @@ class LoadgenConfig:
     round-robin load balancer in front of the replicas would send it. ``stream`` False asks for
     one JSON answer per request (no TTFT then).
     ``block_size`` (tokens per KV block) turns a target's ``x-kvcache-matched-blocks`` into
-    predicted cached tokens.
+    predicted cached tokens. ``reset_prefix_cache`` empties every pod's prefix cache before each
+    step (then waits ``settle`` seconds); off by default, never implied.
     """
 
     pods: dict[str, str] = field(default_factory=dict)
@@ -91,7 +99,7 @@ class LoadgenConfig:
     observe_scores: bool = True
     alpha: float = DEFAULT_ALPHA
     timeout: float = 300.0
-    reset_prefix_cache: bool = True
+    reset_prefix_cache: bool = False
     settle: float = 1.0
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     target: str | None = None
@@ -136,6 +144,18 @@ class LoadgenConfig:
         else:
             base = self.pods[pod]
         return f"{base}{path}"
+
+
+def default_score_url(environ: Mapping[str, str] = os.environ) -> str:
+    """The scoring API of the web server on this machine: ``$WEB_PORT`` (the port ``make run``
+    serves the web on) of 127.0.0.1, else :data:`DEFAULT_SCORE_URL`. ValueError when
+    ``WEB_PORT`` is set but not a port."""
+    port = environ.get("WEB_PORT", "").strip()
+    if not port:
+        return DEFAULT_SCORE_URL
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"WEB_PORT={port!r} is not a port: set it to the web's port, or give --score-url")
+    return f"http://127.0.0.1:{int(port)}/api/v1/score"
 
 
 def fleet_from_base(base_url: str, count: int) -> dict[str, str]:
@@ -233,6 +253,8 @@ async def run_step(
             if refused:
                 notes.append(f"prefix cache not reset on {', '.join(refused)}")
             await asyncio.sleep(config.settle)
+        else:
+            notes.append("prefix caches not reset: the hit rate counts what the pods held before the run")
         before = await scrape_fleet(client, config.pods)
         run = _Run(config, client, router)
         await run.drive(qps=qps, requests=requests, duration=duration, progress=progress)
@@ -251,8 +273,8 @@ async def run_step(
         score_calls=run.lookup.calls,
         score_failures=run.lookup.failures,
         fallbacks=run.router.fallbacks if isinstance(run.router, KVRouter) else 0,
-        oracle_hit_chars=run.oracle.hit_chars,
-        oracle_total_chars=run.oracle.total_chars,
+        reuse_hit_chars=run.reuse.hit_chars,
+        reuse_total_chars=run.reuse.total_chars,
         notes=notes,
         target=config.target,
         block_size=config.block_size,
@@ -288,7 +310,7 @@ class _Run:
         self.observe_error: str | None = None
         self.slots = asyncio.Semaphore(config.concurrency)
         self.sessions: dict[str, _Session] = {}
-        self.oracle = OracleEstimate()
+        self.reuse = PrefixReuse()
         self.records: list[RequestRecord] = []
         self.start = 0.0
         self._system_prompts: dict[int, str] = {}
@@ -381,7 +403,7 @@ class _Run:
         pod = chosen if chosen is not None else completion.pod
         if completion.ok:
             session.conversation.record(turn.user, completion.text)
-            self.oracle.observe(flat_prompt(body), answer_suffix(body, completion.text))
+            self.reuse.observe(flat_prompt(body), answer_suffix(body, completion.text))
         best = None
         if pod is not None and scores is not None and scores.best() > 0:
             best = scores.is_best(pod)

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shlex
+from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
 
+from simulator.loadgen.report import LEGEND
+from simulator.loadgen.runner import default_score_url
+from simulator.management.commands.loadgen import Command
 from tests.loadgen.conftest import API_KEY
+
+SMALL_RUN = (
+    "--qps", "40", "--requests", "2", "--groups", "2", "--system-prompt-tokens", "100",
+    "--questions-per-group", "2", "--model", "m", "--max-tokens", "4", "--settle", "0", "--no-progress",
+)  # fmt: skip
 
 
 def run_command(*args: str) -> str:
@@ -42,6 +53,65 @@ def test_command_runs_a_router_ladder_and_writes_json(fake_fleet, tmp_path):
     assert document["runs"][0]["fleet_hit_rate"] == pytest.approx(0.75)
     assert document["params"]["api_key"] == "set" and document["params"]["qps"] == [40.0, 80.0]
     assert document["params"]["workload"]["groups"] == 2
+
+
+def test_prefix_caches_are_reset_only_when_asked(fake_fleet):
+    pods = [arg for name, url in fake_fleet.urls.items() for arg in ("--pod", f"{name}={url}")]
+    scoring = ("--score-url", fake_fleet.score_url, "--api-key", API_KEY)
+    out = run_command(*pods, *scoring, *SMALL_RUN)
+    assert [pod.resets for pod in fake_fleet.pods.values()] == [0, 0]
+    assert (
+        "kv @ 40 qps: prefix caches not reset: the hit rate counts what the pods held before the run" in out
+    )
+
+    out = run_command(*pods, *scoring, *SMALL_RUN, "--qps", "40,80", "--reset-prefix-cache")
+    assert [pod.resets for pod in fake_fleet.pods.values()] == [2, 2]  # once before each run
+    assert "not reset" not in out
+    with pytest.raises(CommandError, match="not allowed with argument"):
+        run_command(*pods, *SMALL_RUN, "--reset-prefix-cache", "--keep-cache")
+
+
+def test_the_table_has_a_legend_that_explains_reuse(fake_fleet, tmp_path):
+    pods = [arg for name, url in fake_fleet.urls.items() for arg in ("--pod", f"{name}={url}")]
+    out = run_command(
+        *pods, "--score-url", fake_fleet.score_url, "--api-key", API_KEY, *SMALL_RUN,
+        "--json-out", str(tmp_path / "out.json"),
+    )  # fmt: skip
+    lines = out.splitlines()
+    assert "reuse~" in lines[0].split() and "oracle~" not in lines[0]
+    assert lines[3 : 3 + len(LEGEND)] == list(LEGEND)  # under the one row
+    assert any(line.startswith("reuse~ ") and "unbounded cache" in line for line in LEGEND)
+    run = json.loads((tmp_path / "out.json").read_text())["runs"][0]
+    assert 0 <= run["prefix_reuse_est"] <= 1 and "oracle_hit_rate_est" not in run
+
+
+def test_the_score_url_defaults_to_the_web_port_of_make_run(fake_fleet, monkeypatch, tmp_path):
+    assert default_score_url({}) == "http://127.0.0.1:8000/api/v1/score"
+    assert default_score_url({"WEB_PORT": " 8123 "}) == "http://127.0.0.1:8123/api/v1/score"
+    # The fake scoring API stands in for the web server make run starts on $WEB_PORT.
+    port = fake_fleet.score_url.removeprefix("http://127.0.0.1:").removesuffix("/api/v1/score")
+    monkeypatch.setenv("WEB_PORT", port)
+    pods = [arg for name, url in fake_fleet.urls.items() for arg in ("--pod", f"{name}={url}")]
+    run_command(*pods, "--api-key", API_KEY, *SMALL_RUN, "--json-out", str(tmp_path / "out.json"))
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["params"]["score_url"] == fake_fleet.score_url
+    assert len(fake_fleet.scoring.received) == 2 and document["runs"][0]["score_failures"] == 0
+
+    monkeypatch.setenv("WEB_PORT", "web")
+    with pytest.raises(CommandError, match=r"WEB_PORT='web' is not a port: .* or give --score-url"):
+        run_command(*pods, *SMALL_RUN)
+
+
+def test_the_demo_load_of_make_run_resets_its_fleet_and_scores_on_the_web_port(monkeypatch):
+    procfile = Path(__file__).resolve().parents[2] / "Procfile"
+    line = next(line for line in procfile.read_text().splitlines() if line.startswith("loadgen:"))
+    monkeypatch.setenv("WEB_PORT", "8123")  # what the Makefile exports, among the others
+    for name in ("SIM_BASE_PORT", "SIM_PODS", "GATEWAY_PORT", "LOAD_QPS"):
+        monkeypatch.setenv(name, "4")
+    args = [os.path.expandvars(arg) for arg in shlex.split(line.partition("manage.py loadgen")[2])]
+    options = Command().create_parser("manage.py", "loadgen").parse_args(args)
+    assert options.reset_prefix_cache
+    assert options.score_url == "http://127.0.0.1:8123/api/v1/score"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Report math: percentiles, hit rates from metric deltas, the oracle estimate, the table, JSON."""
+"""Report math: percentiles, hit rates from metric deltas, the prefix-reuse estimate, the table, JSON."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from simulator.loadgen.report import (
-    OracleEstimate,
+    PrefixReuse,
     RequestRecord,
     StepResult,
     fleet_hit_rate,
@@ -56,25 +56,25 @@ def test_fleet_hit_rate_is_the_ratio_of_counter_growth_over_pods_that_answered()
     assert fleet_hit_rate({"a": {Q: 1.0, H: 1.0}}, {"a": {Q: 1.0, H: 1.0}})[0] is None
 
 
-def test_oracle_counts_the_longest_prefix_seen_before_including_answers():
-    oracle = OracleEstimate(chunk=1)  # character by character
+def test_reuse_counts_the_longest_prefix_seen_before_including_answers():
+    reuse = PrefixReuse(chunk=1)  # character by character
     system = "S" * 100
-    assert oracle.observe(system + "Q1", " A1") == 0
-    assert oracle.observe(system + "Q2", " A2") == 101  # shares the system prompt and "Q"
-    assert oracle.observe(system + "Q1 A1 Q3", "") == 105  # the first prompt and its answer
-    assert oracle.observe("other", "") == 0
-    assert oracle.hit_chars == 206
-    assert oracle.total_chars == 102 + 102 + 108 + 5
-    assert oracle.rate == pytest.approx(206 / 317)
-    assert OracleEstimate().rate is None
+    assert reuse.observe(system + "Q1", " A1") == 0
+    assert reuse.observe(system + "Q2", " A2") == 101  # shares the system prompt and "Q"
+    assert reuse.observe(system + "Q1 A1 Q3", "") == 105  # the first prompt and its answer
+    assert reuse.observe("other", "") == 0
+    assert reuse.hit_chars == 206
+    assert reuse.total_chars == 102 + 102 + 108 + 5
+    assert reuse.rate == pytest.approx(206 / 317)
+    assert PrefixReuse().rate is None
 
 
-def test_oracle_counts_whole_chunks_only_like_kv_blocks():
-    oracle = OracleEstimate(chunk=10)
-    oracle.observe("a" * 25, "")
-    assert oracle.observe("a" * 25 + "b", "") == 20  # two whole chunks; the partial third never counts
-    assert oracle.observe("a" * 19, "") == 10
-    assert oracle.observe("b" + "a" * 30, "") == 0  # a prefix, not any substring
+def test_reuse_counts_whole_chunks_only_like_kv_blocks():
+    reuse = PrefixReuse(chunk=10)
+    reuse.observe("a" * 25, "")
+    assert reuse.observe("a" * 25 + "b", "") == 20  # two whole chunks; the partial third never counts
+    assert reuse.observe("a" * 19, "") == 10
+    assert reuse.observe("b" + "a" * 30, "") == 0  # a prefix, not any substring
 
 
 def test_summary_of_a_run():
@@ -88,7 +88,7 @@ def test_summary_of_a_run():
         router="kv", qps=4.0, records=records,
         metrics_before={"sim-0": {Q: 0.0, H: 0.0}, "sim-1": {Q: 0.0, H: 0.0}},
         metrics_after={"sim-0": {Q: 300.0, H: 150.0}, "sim-1": {Q: 100.0, H: 50.0}},
-        score_calls=4, score_failures=1, fallbacks=1, oracle_hit_chars=50, oracle_total_chars=200,
+        score_calls=4, score_failures=1, fallbacks=1, reuse_hit_chars=50, reuse_total_chars=200,
     )  # fmt: skip
     s = summarize(step)
     assert (s["requests"], s["ok"], s["failed"]) == (4, 3, 1)
@@ -98,7 +98,7 @@ def test_summary_of_a_run():
     assert s["output_tokens_per_s"] == pytest.approx(7.5)
     assert s["fleet_hit_rate"] == pytest.approx(0.5)
     assert s["usage_hit_rate"] == pytest.approx(0.6)
-    assert s["oracle_hit_rate_est"] == pytest.approx(0.25)
+    assert s["prefix_reuse_est"] == pytest.approx(0.25)
     assert s["best_score_share"] == 0.5 and s["best_score_requests"] == 2
     assert (s["score_calls"], s["score_failures"], s["score_fallbacks"]) == (4, 1, 1)
     assert s["pod_requests"] == {"sim-0": 3, "sim-1": 1}
@@ -115,7 +115,7 @@ def test_summary_of_an_empty_run_has_no_numbers():
 def test_table_has_a_row_per_run_and_dashes_for_unknowns():
     rows = [
         summarize(StepResult(router="kv", qps=2.0, records=[record(0, best=True)], metrics_before={},
-                             metrics_after={}, oracle_hit_chars=9, oracle_total_chars=10)),
+                             metrics_after={}, reuse_hit_chars=9, reuse_total_chars=10)),
         summarize(StepResult(router="random", qps=math.inf, records=[], metrics_before={}, metrics_after={})),
     ]  # fmt: skip
     table = render_table(rows).splitlines()
@@ -124,7 +124,7 @@ def test_table_has_a_row_per_run_and_dashes_for_unknowns():
     assert set(table[1]) == {"-"}
     kv_row, random_row = table[2].split(), table[3].split()
     assert kv_row[:5] == ["kv", "2", "1", "0", "0.100"]
-    assert "90.0%" in kv_row and "100.0%" in kv_row  # oracle estimate, best pick
+    assert "90.0%" in kv_row and "100.0%" in kv_row  # prefix reuse, best pick
     assert random_row[:2] == ["random", "inf"] and random_row.count("-") >= 8
     assert len({len(line) for line in table}) == 1  # aligned columns
 

@@ -97,6 +97,16 @@ def test_report_of_saved_results_prints_the_table_and_draws_the_plot(tmp_path, c
     assert (tmp_path / "routing.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_every_run_starts_from_empty_caches():
+    args = routing.parse_args(["--max-tokens", "4"])
+    pods = {"sim-0": "http://127.0.0.1:8100", "sim-1": "http://127.0.0.1:8101"}
+    urls = ["http://127.0.0.1:8200", "http://127.0.0.1:8201"]
+    config = routing.loadgen_config(pods, urls, "kv-load", routing.WORKLOADS["replicas"], args)
+    assert config.reset_prefix_cache and config.settle > 0
+    assert (config.target, config.replicas, config.label) == (urls[0], (urls[1],), "kv-load")
+    assert config.pods == pods and config.max_tokens == 4
+
+
 def test_a_short_real_run_routes_through_the_gateway_and_a_peer(tmp_path, capsys):
     routers = "kv-load" + (",sglang-router:cache_aware" if peers_installed() else "")
     out = tmp_path / "routing.json"

@@ -69,6 +69,7 @@ def target_config(target: str, **overrides: object) -> LoadgenConfig:
         "model": MODEL,
         "max_tokens": 4,
         "observe_scores": False,  # no scoring service in these tests
+        "reset_prefix_cache": True,  # the module's fleet: each run starts from empty caches
         "settle": 0.0,
         "workload": SMALL,
         "block_size": BLOCK_SIZE,

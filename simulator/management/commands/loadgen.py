@@ -17,12 +17,12 @@ from functools import partial
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from simulator.loadgen.report import pod_lines, render_table, results_document, summarize, write_json
+from simulator.loadgen.report import LEGEND, pod_lines, render_table, results_document, summarize, write_json
 from simulator.loadgen.routers import DEFAULT_ALPHA, ROUTER_NAMES
 from simulator.loadgen.runner import (
     DEFAULT_MODEL,
-    DEFAULT_SCORE_URL,
     LoadgenConfig,
+    default_score_url,
     fleet_from_base,
     parse_pod,
     parse_qps,
@@ -38,7 +38,10 @@ class Command(BaseCommand):
         "Send a shared-prefix OpenAI workload to a vLLM fleet, choosing each request's pod with a "
         "router (kv, kv-load, least-loaded, random, round-robin) or sending every request to one "
         "OpenAI endpoint (--target: our gateway or a peer router), and report TTFT, latency, "
-        "throughput and prefix-cache hit rates per router and QPS."
+        "throughput and prefix-cache hit rates per router and QPS. The pods' prefix caches are left "
+        "as they are unless --reset-prefix-cache. A legend under the table says what its columns "
+        "measure; reuse~ is the workload's own prefix reuse, which bounds the fleet's hit rate only "
+        "when the caches start empty and serve nothing else."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -62,8 +65,9 @@ class Command(BaseCommand):
             help=(
                 "Send every request to this OpenAI server's /v1/chat/completions or /v1/completions "
                 "(base URL, e.g. http://127.0.0.1:8200: a gateway or peer router) instead of routing "
-                "with --router. Pods are then optional: given, they are reset and scraped for the "
-                "fleet hit rate; the pod of a request is read from its x-kvcache-pod header."
+                "with --router. Pods are then optional: given, they are scraped for the fleet hit rate "
+                "(and reset with --reset-prefix-cache); the pod of a request is read from its "
+                "x-kvcache-pod header."
             ),
         )
         fleet.add_argument(
@@ -106,7 +110,13 @@ class Command(BaseCommand):
             help=f"Router(s) to run, each a full run: {', '.join(ROUTER_NAMES)} (default kv; repeatable).",
         )
         routing.add_argument(
-            "--score-url", default=DEFAULT_SCORE_URL, help=f"Scoring API (default {DEFAULT_SCORE_URL})."
+            "--score-url",
+            default=None,
+            metavar="URL",
+            help=(
+                "Scoring API (default http://127.0.0.1:$WEB_PORT/api/v1/score: the web server of "
+                "make run, which exports WEB_PORT; port 8000 when WEB_PORT is unset)."
+            ),
         )
         routing.add_argument(
             "--api-key",
@@ -146,17 +156,28 @@ class Command(BaseCommand):
         )
         load.add_argument("--timeout", type=float, default=300.0, help="Seconds per request (default 300).")
         load.add_argument("--seed", type=int, default=0, help="Seed of the workload, arrivals and routers.")
-        load.add_argument(
+        reset = load.add_mutually_exclusive_group()
+        reset.add_argument(
+            "--reset-prefix-cache",
+            dest="reset_prefix_cache",
+            action="store_true",
+            default=False,
+            help=(
+                "POST /reset_prefix_cache to every pod before each run, so that each starts from "
+                "empty caches: for a test fleet, never one serving real traffic."
+            ),
+        )
+        reset.add_argument(
             "--keep-cache",
             dest="reset_prefix_cache",
             action="store_false",
-            help="Do not POST /reset_prefix_cache to every pod before each run.",
+            help="Leave the pods' prefix caches as they are (default).",
         )
         load.add_argument(
             "--settle",
             type=float,
             default=1.0,
-            help="Seconds to wait after resetting the caches, for the index to catch up (default 1).",
+            help="Seconds to wait after --reset-prefix-cache, for the index to catch up (default 1).",
         )
 
         workload = parser.add_argument_group("workload")
@@ -225,6 +246,7 @@ class Command(BaseCommand):
         )
         summaries = [summarize(step) for step in results]
         self.stdout.write(render_table(summaries))
+        self.stdout.write("\n".join(LEGEND))
         for summary in summaries:
             rate = "inf" if math.isinf(summary["qps"]) else f"{summary['qps']:g}"
             for line in pod_lines(summary):
@@ -287,7 +309,7 @@ class Command(BaseCommand):
             max_tokens=options["max_tokens"],
             concurrency=options["concurrency"],
             seed=options["seed"],
-            score_url=options["score_url"],
+            score_url=options["score_url"] or default_score_url(),
             api_key=api_key,
             score_timeout=options["score_timeout"],
             observe_scores=options["observe_scores"],
