@@ -1,8 +1,9 @@
 """ASGI entry point (``manage.py serve``, uvicorn): the scoring fast path, Django, Channels.
 
 * HTTP to the scoring endpoints and ``/healthz`` goes to the fast path
-  (``scoring.fastpath.app``), without Django's request cycle;
-* every other HTTP request goes to Django (admin, registry API, dashboard, docs, metrics);
+  (``scoring.fastpath.app``), without Django's request cycle (nor its Host header check);
+* every other HTTP request goes to Django (admin, registry API, dashboard, docs, metrics, and
+  ``/readyz``, which like ``/healthz`` answers whatever the Host: ``scoring.api.middleware``);
 * websockets go to Channels: they carry the session (``AuthMiddlewareStack``: consumers check
   the user themselves) and must come from one of ``ALLOWED_HOSTS``
   (``AllowedHostsOriginValidator``: no cross-site pages);

@@ -4,6 +4,8 @@
 |---|---|---|
 | REDIS_URL | redis://127.0.0.1:6379/0 | the shared index and the channel layer |
 | KVCACHE_INDEX_BACKEND | redis | ``redis`` (shared), or ``memory`` / ``memory://?max_bytes=2GiB`` |
+| KVCACHE_INDEX_TIMEOUT | 1.0 | seconds a Redis index may take to connect or reply (then 503) |
+| KVCACHE_INGEST_INDEX_TIMEOUT | 10.0 | the same for ``ingest``, whose writes may queue behind others |
 | DATABASE_URL | sqlite:///var/db.sqlite3 | pod registry, model configs, hash seed |
 | SECRET_KEY | generated into var/secret_key | Django's signing key |
 | DEBUG | false | Django debug mode |
@@ -51,6 +53,11 @@ import dj_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("KVCACHE_VAR_DIR", BASE_DIR / "var"))
+
+# Whatever imports transformers (installed as the tests' reference) would print its advice that
+# PyTorch is missing, which we never need. Set here, before any import of it: every process that
+# loads these settings (each manage.py command, kvsite.asgi, kvsite.wsgi) and its children.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def env_bool(name: str, default: bool = False) -> bool:
@@ -105,6 +112,8 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # Before CommonMiddleware, the first to check the Host header: probes come with the pod's IP.
+    "scoring.api.middleware.HealthProbes",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -165,6 +174,13 @@ LOGIN_URL = "admin:login"
 # --- the index and the channel layer -------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 KVCACHE_INDEX_BACKEND = os.environ.get("KVCACHE_INDEX_BACKEND", "redis")
+# Seconds a Redis index may take to connect or to reply before the caller gets IndexUnavailable (a
+# score: 503 at once rather than a hung request). ``socket_timeout`` / ``socket_connect_timeout`` in
+# REDIS_URL win. Ingest has its own: its sliced writes take ~15 ms on the server, but may queue
+# behind other clients' work, and a timed-out write is retried whole (ingest/pool.py). Applied by
+# scoring.runtime.connect_index.
+KVCACHE_INDEX_TIMEOUT = float(os.environ.get("KVCACHE_INDEX_TIMEOUT", "1.0"))
+KVCACHE_INGEST_INDEX_TIMEOUT = float(os.environ.get("KVCACHE_INGEST_INDEX_TIMEOUT", "10.0"))
 KVCACHE_HASH_SEED = os.environ.get("KVCACHE_HASH_SEED", os.environ.get("PYTHONHASHSEED", ""))
 KVCACHE_BLOCK_SIZE = int(os.environ.get("KVCACHE_BLOCK_SIZE", "16"))
 

@@ -1,11 +1,16 @@
-"""URL map: admin, API (scoring, registry, schema and docs, probes), metrics."""
+"""URL map: admin, dashboard, API (registry, schema and docs), metrics; ``/`` is the dashboard."""
 
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import include, path, reverse_lazy
+from django.views.generic import RedirectView
 
 from scoring.api.metrics import metrics_view
 
+# The admin's "View site" link: the dashboard (operators' home page; staff only, as the admin).
+admin.site.site_url = reverse_lazy("dashboard:fleet")
+
 urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="dashboard:fleet"), name="home"),
     path("admin/", admin.site.urls),
     path("dashboard/", include("dashboard.urls")),
     path("", include("scoring.api.urls")),

@@ -68,13 +68,24 @@ def index_url() -> str:
     raise ValueError(f"KVCACHE_INDEX_BACKEND must be 'redis', 'memory' or a memory:// URL, not {backend!r}")
 
 
+def connect_index(*, timeout: float) -> KVIndex:
+    """A new handle on the index ``index_url`` names. A Redis index gives up on connecting or on a
+    reply after ``timeout`` seconds (``IndexUnavailable``), unless ``REDIS_URL`` sets
+    ``socket_timeout`` or ``socket_connect_timeout`` itself: the URL wins."""
+    url = index_url()
+    if url.startswith("memory://"):
+        return open_index(url)
+    return open_index(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
 def get_index() -> KVIndex:
-    """This process's index (one per process; backends are thread-safe)."""
+    """This process's index (one per process; backends are thread-safe), connected on first use
+    with ``KVCACHE_INDEX_TIMEOUT`` (``ingest`` installs one with its own, longer, timeout)."""
     global _index
     if _index is None:
         with _index_lock:
             if _index is None:
-                _index = open_index(index_url())
+                _index = connect_index(timeout=settings.KVCACHE_INDEX_TIMEOUT)
     return _index
 
 

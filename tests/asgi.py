@@ -34,8 +34,8 @@ class AsgiResponse:
 
 class AsgiClient:
     """``post``/``get``/``put``/``patch``/``delete`` like Django's client: ``data`` (bytes, a str,
-    or an object sent as JSON), ``content_type``, headers as ``HTTP_*`` keyword arguments and the
-    client's address as ``REMOTE_ADDR``."""
+    or an object sent as JSON), ``content_type``, headers as ``HTTP_*`` keyword arguments (Host:
+    ``testserver`` unless ``HTTP_HOST``) and the client's address as ``REMOTE_ADDR``."""
 
     def __init__(self, app: Any = None) -> None:
         if app is None:
@@ -73,11 +73,12 @@ class AsgiClient:
             body = data.encode()
         else:
             body = jsonlib.dumps(data).encode()
-        raw_headers = [(b"host", b"testserver"), (b"content-length", str(len(body)).encode())]
-        if body:
-            raw_headers.append((b"content-type", content_type.encode()))
         headers = {**self.defaults, **headers}
         remote = headers.pop("REMOTE_ADDR", "127.0.0.1")
+        host = headers.pop("HTTP_HOST", "testserver")
+        raw_headers = [(b"host", host.encode()), (b"content-length", str(len(body)).encode())]
+        if body:
+            raw_headers.append((b"content-type", content_type.encode()))
         for name, value in headers.items():
             if name.startswith("HTTP_"):
                 raw_headers.append((name[5:].replace("_", "-").lower().encode(), value.encode()))

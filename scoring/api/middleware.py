@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from django.http import HttpRequest, HttpResponse
 
+from scoring.api import views
+
 
 class SyncMiddlewareChain:
     """Keeps Django's middleware chain synchronous under ASGI (uvicorn); it does nothing else.
@@ -26,3 +28,21 @@ class SyncMiddlewareChain:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         return self.get_response(request)
+
+
+class HealthProbes:
+    """Answers the health probes, ``/healthz`` and ``/readyz``, whatever the Host header says.
+
+    Kubernetes probes send the pod's IP as Host, which ``ALLOWED_HOSTS`` does not list; the probes
+    build no URL from it, so checking it could only fail them. Every other request still meets the
+    check (in ``CommonMiddleware``, after this one).
+    """
+
+    PROBES = {"/healthz": views.healthz, "/readyz": views.readyz}
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        probe = self.PROBES.get(request.path_info)
+        return probe(request) if probe is not None else self.get_response(request)

@@ -1,12 +1,13 @@
-"""Routes of the registry API, the OpenAPI schema and docs, and the readiness probe (the scoring
-endpoints and ``/healthz`` never reach Django: ``kvsite.asgi`` sends them to the fast path)."""
+"""Routes of the registry API and of the OpenAPI schema and docs. The scoring endpoints never
+reach Django (``kvsite.asgi`` sends them to the fast path); the probes, ``/healthz`` and
+``/readyz``, are answered before the Host header is checked (``scoring.api.middleware``)."""
 
 from __future__ import annotations
 
 from django.urls import path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-from scoring.api import registry, views
+from scoring.api import registry
 
 urlpatterns = [
     path("api/v1/pods/", registry.PodListView.as_view(), name="pods"),
@@ -17,6 +18,10 @@ urlpatterns = [
     path("api/v1/hash-seed/", registry.HashSeedView.as_view(), name="hash-seed"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
-    path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
-    path("readyz", views.readyz, name="readyz"),
+    # ReDoc without the web fonts drf-spectacular's page loads from Google (scoring/templates).
+    path(
+        "api/redoc/",
+        SpectacularRedocView.as_view(url_name="schema", template_name="scoring/redoc.html"),
+        name="api-redoc",
+    ),
 ]

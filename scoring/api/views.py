@@ -1,7 +1,10 @@
-"""The readiness probe (``/healthz`` and the scoring endpoints are served by the fast path,
-``scoring.fastpath.app``; their documentation is added to the schema by ``scoring.api.openapi``)."""
+"""The health probes, answered whatever the Host header (``scoring.api.middleware.HealthProbes``).
+Under ``manage.py serve`` the fast path (``scoring.fastpath.app``) answers ``/healthz`` and the
+scoring endpoints; their documentation is added to the schema by ``scoring.api.openapi``."""
 
 from __future__ import annotations
+
+import logging
 
 from django.db import DatabaseError, connection
 from django.http import HttpRequest, JsonResponse
@@ -10,24 +13,35 @@ from scoring import runtime
 from scoring.api.errors import error_body
 from scoring.index import IndexUnavailable
 
+logger = logging.getLogger(__name__)
+
+
+def healthz(request: HttpRequest) -> JsonResponse:
+    """Alive: the process answers. Under ``kvsite.asgi`` the fast path answers ``/healthz``; this
+    is the same for Django served alone (``kvsite.wsgi``)."""
+    return JsonResponse({"status": "ok"})
+
 
 def readyz(request: HttpRequest) -> JsonResponse:
     """Ready when the index and the database both answer and the index holds its data: 503
     (error shape, plus ``checks``) naming what does not, e.g. ``index resyncing`` while ingest
-    rebuilds what the index lost (``scoring.epochs``)."""
+    rebuilds what the index lost (``scoring.epochs``). An unreachable one is named, not its
+    address: the error, which says host and port, goes to the log."""
     checks: dict[str, str] = {}
     try:
         runtime.get_index().ping()
         resyncing = runtime.resyncing_models()
         checks["index"] = f"index resyncing: {', '.join(resyncing)}" if resyncing else "ok"
     except IndexUnavailable as error:
-        checks["index"] = str(error)
+        logger.warning("not ready: %s", error)
+        checks["index"] = "index unreachable"
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
         checks["database"] = "ok"
     except DatabaseError as error:
-        checks["database"] = f"the database cannot be reached: {error}"
+        logger.warning("not ready: the database cannot be reached: %s", error)
+        checks["database"] = "database unreachable"
     failing = {name: problem for name, problem in checks.items() if problem != "ok"}
     if not failing:
         return JsonResponse({"status": "ready", "checks": checks})

@@ -48,7 +48,9 @@ def from_core(exc: BaseException) -> RequestError | None:
     if isinstance(exc, TokenizerLoadError):
         return RequestError(422, "tokenizer_load_failed", str(exc))
     if isinstance(exc, IndexUnavailable):
-        return RequestError(503, "index_unavailable", f"the KV-block index cannot be reached: {exc}")
+        # Not the error itself: it names the server's address. /readyz logs it (once per probe,
+        # where a line per failed score would flood the log while the index is down).
+        return RequestError(503, "index_unavailable", "the KV-block index cannot be reached")
     if isinstance(exc, SandboxBusy):
         return RequestError(503, "busy", str(exc))
     return None

@@ -3,7 +3,12 @@ that says whose fault it is and a message that says what to fix."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from urllib.parse import urlencode
 
 import pytest
 
@@ -217,18 +222,58 @@ def test_a_tokenizer_that_does_not_load_is_a_422(client, tmp_path):
 # --- 503: the index is down --------------------------------------------------------------------------
 
 
-def test_with_the_index_unreachable_scoring_is_a_503_and_not_ready(client, base_capture):
-    runtime.set_index(open_index(f"redis://127.0.0.1:{free_port()}/0?socket_connect_timeout=0.5"))
+def test_with_the_index_unreachable_scoring_is_a_503_and_not_ready(client, base_capture, caplog):
+    port = free_port()  # nothing listens there
+    runtime.set_index(open_index(f"redis://127.0.0.1:{port}/0?socket_connect_timeout=0.5"))
     try:
         body = {"model": MODEL, "prompt": base_capture["prompt"]}
-        error_of(post(client, "/score_completions", body), 503, "index_unavailable")
-        error_of(
-            post(client, "/api/v1/score", {"model": MODEL, "token_ids": [1] * 32}), 503, "index_unavailable"
-        )
+        ids = {"model": MODEL, "token_ids": [1] * 32}
+        answers = [
+            error_of(post(client, "/score_completions", body), 503, "index_unavailable"),
+            error_of(post(client, "/api/v1/score", ids), 503, "index_unavailable"),
+        ]
         ready = client.get("/readyz")
         assert ready.status_code == 503
         assert ready.json()["error"]["code"] == "not_ready"
-        assert ready.json()["checks"]["database"] == "ok"
-        assert ready.json()["checks"]["index"] != "ok"
+        assert ready.json()["checks"] == {"index": "index unreachable", "database": "ok"}
     finally:
         runtime.set_index(None)
+    # What is wrong, not where: the index's address is in the server's log only.
+    for text in [*(answer["message"] for answer in answers), ready.content.decode()]:
+        assert str(port) not in text and "127.0.0.1" not in text
+    assert f"127.0.0.1:{port}" in caplog.text
+
+
+@contextlib.contextmanager
+def frozen_index(settings, **query: str) -> Iterator[None]:
+    """A Redis index that accepts connections and never answers (a server stopped with SIGSTOP,
+    a hung proxy), opened from the settings as a server process opens its index. Should a request
+    still wait after 5 s, the listener closes (the request then fails, late) rather than hang."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as listener:  # never accepts
+        settings.REDIS_URL = f"redis://127.0.0.1:{listener.getsockname()[1]}/0?{urlencode(query)}"
+        settings.KVCACHE_INDEX_BACKEND = "redis"
+        runtime.set_index(None)
+        guard = threading.Timer(5, listener.close)
+        guard.start()
+        try:
+            yield
+        finally:
+            guard.cancel()
+            runtime.get_index().close()
+            runtime.set_index(None)
+
+
+def seconds_to_a_503(client) -> float:
+    started = time.monotonic()
+    response = post(client, "/api/v1/score", {"model": MODEL, "token_ids": [1] * 32})
+    error_of(response, 503, "index_unavailable")
+    return time.monotonic() - started
+
+
+def test_a_frozen_index_is_a_503_within_the_index_timeout(client, settings):
+    assert settings.KVCACHE_INDEX_TIMEOUT <= 1
+    with frozen_index(settings):
+        assert seconds_to_a_503(client) < 2
+    settings.KVCACHE_INDEX_TIMEOUT = 30  # a timeout in REDIS_URL wins over the setting
+    with frozen_index(settings, socket_timeout="0.3", socket_connect_timeout="0.3"):
+        assert seconds_to_a_503(client) < 2

@@ -72,8 +72,11 @@ def test_a_chunked_body_is_read(server):
 
 def test_probes_answer_any_host_header_and_the_rest_checks_it(server):
     port = server["port"]
-    assert _status(port, "GET", "/healthz", headers={"Host": "10.1.2.3:8000"}) == 200
-    assert _status(port, "GET", "/readyz", headers={"Host": "127.0.0.1"}) == 200
+    pod_ip = {"Host": "10.1.2.3:8000"}  # what a Kubernetes probe sends
+    assert _status(port, "GET", "/healthz", headers=pod_ip) == 200
+    assert _status(port, "GET", "/readyz", headers=pod_ip) == 200
+    assert _status(port, "GET", "/api/schema/", headers=pod_ip) == 400
+    assert _status(port, "GET", "/api/schema/", headers={"Host": "127.0.0.1"}) == 200
 
 
 def test_metrics_add_up_over_the_workers(server):

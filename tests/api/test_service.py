@@ -10,6 +10,7 @@ import pytest
 import redis
 import yaml
 from asgiref.sync import async_to_sync
+from django.test import Client
 
 from scoring import runtime
 from scoring.epochs import READY, RESYNCING, marker
@@ -54,9 +55,45 @@ def test_the_interactive_docs_load_their_assets_from_this_server(client):
         assert response.content
 
 
+def test_the_redoc_page_loads_nothing_from_another_host(client):
+    page = client.get("/api/redoc/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert not re.search(r"https?://", html)  # no font, no script, no style from elsewhere
+    # nor may ReDoc's script fetch anything from elsewhere (it shows a logo from its CDN)
+    policy = re.search(r'http-equiv="Content-Security-Policy" content="([^"]+)"', html)
+    assert policy and policy[1] == "default-src 'self' 'unsafe-inline' 'unsafe-eval' blob: data:"
+    assets = re.findall(r'src="(/static/[^"]+)"', html)
+    assert any(a.endswith("redoc.standalone.js") for a in assets)
+    for asset in assets:
+        response = client.get(asset)
+        assert response.status_code == 200, asset
+        assert response.content
+
+
 def test_healthz_says_the_process_is_alive(client):
     response = client.get("/healthz")
     assert (response.status_code, response.json()) == (200, {"status": "ok"})
+
+
+POD_IP = "10.1.2.3:8000"  # the Host header of a Kubernetes probe, not in ALLOWED_HOSTS
+
+
+def test_the_probes_answer_whatever_the_host_header_and_the_rest_checks_it(client, index):
+    """Through the ASGI application ``manage.py serve`` runs (``/healthz`` on the fast path)."""
+    assert client.get("/healthz", HTTP_HOST=POD_IP).json() == {"status": "ok"}
+    ready = client.get("/readyz", HTTP_HOST=POD_IP)
+    assert (ready.status_code, ready.json()["status"]) == (200, "ready")
+    assert client.get("/api/schema/", HTTP_HOST=POD_IP).status_code == 400
+
+
+def test_the_probes_answer_whatever_the_host_header_through_django_alone(index):
+    """Through Django's own handler, as ``kvsite.wsgi`` serves it (no fast path)."""
+    django_client = Client()
+    response = django_client.get("/healthz", HTTP_HOST=POD_IP)
+    assert (response.status_code, response.json()) == (200, {"status": "ok"})
+    assert django_client.get("/readyz", HTTP_HOST=POD_IP).status_code == 200
+    assert django_client.get("/api/schema/", HTTP_HOST=POD_IP).status_code == 400
 
 
 def test_readyz_checks_the_index_and_the_database(client, index):

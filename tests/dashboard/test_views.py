@@ -3,6 +3,8 @@ front-end files served by the project itself."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib.staticfiles import finders
 from django.test import Client
@@ -26,6 +28,13 @@ def test_anonymous_and_non_staff_go_to_the_admin_login(url, db):
     assert response["Location"].startswith(reverse("admin:login"))
     client.force_login(make_user("plain", staff=False))
     assert client.get(url).status_code == 302
+
+
+def test_the_site_root_and_the_admins_view_site_link_lead_to_the_dashboard(staff_client):
+    response = staff_client.get("/")
+    assert (response.status_code, response["Location"]) == (302, "/dashboard/")
+    admin_page = staff_client.get("/admin/").content.decode()
+    assert re.search(r'<a href="([^"]*)">View site</a>', admin_page)[1] == "/dashboard/"
 
 
 def test_the_fleet_page_is_an_accessible_table_with_a_filter(staff_client):

@@ -30,7 +30,7 @@ from ingest.stats import IngestStats, IngestStatsCollector
 from scoring.index import KVIndex
 from scoring.index.base import IndexUnavailable
 from scoring.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
-from scoring.runtime import get_index, service_config
+from scoring.runtime import connect_index, get_index, service_config, set_index
 from scoring.services import expire_pods, record_pods_seen, set_pod_health
 from scoring.streams import instance_id, publish_snapshot, withdraw_snapshot
 
@@ -85,6 +85,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options) -> None:
         bind = options["bind"] or ([] if options["connect"] else ["tcp://*:5557"])
+        # Longer than a score waits (KVCACHE_INGEST_INDEX_TIMEOUT): a write may queue behind others.
+        set_index(connect_index(timeout=settings.KVCACHE_INGEST_INDEX_TIMEOUT))
         index = get_index()
         wait_for_index(index, timeout=60.0)
         pipeline = IngestPipeline(

@@ -1,0 +1,24 @@
+"""What every process gets from ``kvsite.settings`` before it does anything else."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_command_that_imports_transformers_prints_no_pytorch_advice(tmp_path: Path) -> None:
+    env = {name: value for name, value in os.environ.items() if not name.startswith("TRANSFORMERS_")}
+    env.update(DJANGO_SETTINGS_MODULE="kvsite.settings", KVCACHE_VAR_DIR=str(tmp_path))
+
+    def output(*argv: str) -> str:
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout + done.stderr
+
+    # Without our settings, transformers advises at import that PyTorch is missing.
+    assert "PyTorch" in output(sys.executable, "-c", "import transformers")
+    assert "PyTorch" not in output(sys.executable, "manage.py", "shell", "-c", "import transformers")
