@@ -29,6 +29,11 @@ class PodAdmin(admin.ModelAdmin):
     ordering = ("pod_id",)
     actions = ("disable_pods", "enable_pods")
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Pod | None = None) -> tuple[str, ...]:
+        # The index knows a pod by its id: a renamed row would leave its blocks behind (as the API,
+        # which refuses renames, says: delete the pod and create the new one).
+        return self.readonly_fields + (("pod_id",) if obj is not None else ())
+
     def get_queryset(self, request: HttpRequest):
         self._blocks = _live_blocks()
         return super().get_queryset(request)
@@ -108,6 +113,12 @@ class ModelConfigForm(ConfirmClearForm):
         model = ModelConfig
         fields = "__all__"
 
+    def clean(self):
+        cleaned = super().clean()
+        if "tokenizer_source" in self.changed_data and "tokenizer_source" in cleaned:
+            services.check_tokenizer_source(model=cleaned.get("name", ""), source=cleaned["tokenizer_source"])
+        return cleaned
+
 
 class HashSeedForm(ConfirmClearForm):
     clearing_fields = ("value",)
@@ -147,7 +158,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
             messages.warning(
                 request, f"The block size of {obj.name} changed: its blocks were cleared from the index."
             )
-        services.save_model_config(obj)
+        services.save_model_config(obj, tokenizer_source_checked=True)  # by the form
 
     def delete_model(self, request, obj: ModelConfig) -> None:
         services.delete_model_config(obj)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
+import jinja2
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
+
+from scoring.chat import BoundedEnvironment
 
 
 def default_tier_weights() -> dict[str, float]:
@@ -27,11 +32,55 @@ def validate_string_list(value: object) -> None:
         raise ValidationError('must be a list of non-empty strings, e.g. ["Alice"]')
 
 
+# Characters that survive a URL path as they are (the detail route is /api/v1/pods/<pod_id>/) and
+# a topic (kv@<pod>@<model>: a pod id ends at the first "@"). "#" is not one: ingest indexes the
+# data-parallel ranks of pod P as P#dp<r>. Brackets are for IPv6 addresses ("[fd00::7]:8000").
+_POD_ID = re.compile(r"[A-Za-z0-9\[][A-Za-z0-9._:\[\]-]*")
+
+
+def validate_pod_id(value: str) -> None:
+    if not _POD_ID.fullmatch(value):
+        raise ValidationError(
+            "may contain only letters, digits and . _ - : [ ] (not / # @ % or spaces), and must start "
+            'with a letter, a digit or "[", e.g. "vllm-0" or "10.0.0.7:8000"'
+        )
+
+
+def validate_labels(value: object) -> None:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ValidationError('must be an object of name -> string, e.g. {"zone": "b"}')
+
+
+MAX_BLOCK_SIZE = 4096
+"""vLLM's --block-size takes 1, 8, 16, 32, 64, 128 or 256 tokens; hybrid (attention + Mamba) models
+may pick a larger one themselves (a multiple of 16, e.g. 528). 4096 leaves room for those."""
+
+
+def validate_block_size(value: int) -> None:
+    if not 1 <= value <= MAX_BLOCK_SIZE:
+        raise ValidationError(
+            f"must be between 1 and {MAX_BLOCK_SIZE} tokens: the engines' --block-size (vLLM's default is 16)"
+        )
+
+
+def validate_chat_template(value: str) -> None:
+    """A chat template must compile in the environment it renders in (``scoring.chat``)."""
+    try:
+        BoundedEnvironment().from_string(value)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValidationError(f"is not valid Jinja (line {error.lineno}): {error.message}") from error
+    except RecursionError as error:
+        raise ValidationError("nests too deeply to compile: simplify it") from error
+
+
 class Pod(models.Model):
     """A vLLM engine that publishes KV events. Created by ``ingest`` on its first event."""
 
     pod_id = models.CharField(
-        max_length=255, unique=True, help_text="The <pod> of the kv@<pod>@<model> topic."
+        max_length=255,
+        unique=True,
+        validators=[validate_pod_id],
+        help_text="The <pod> of the kv@<pod>@<model> topic: letters, digits and . _ - : [ ].",
     )
     address = models.CharField(
         max_length=255,
@@ -46,7 +95,12 @@ class Pod(models.Model):
         "derives it from the address, else the pod cannot replay.",
     )
     model = models.CharField(max_length=255, db_index=True)
-    labels = models.JSONField(default=dict, blank=True)
+    labels = models.JSONField(
+        default=dict,
+        blank=True,
+        validators=[validate_labels],
+        help_text='Name -> string, e.g. {"zone": "b"}: shown in the registry, not used in scoring.',
+    )
     enabled = models.BooleanField(
         default=True, help_text="A disabled pod's blocks are removed from the index and from scores."
     )
@@ -74,12 +128,21 @@ class ModelConfig(models.Model):
 
     name = models.CharField(max_length=255, unique=True, help_text='As in the topic, e.g. "Qwen/Qwen3-0.6B".')
     block_size = models.PositiveIntegerField(
-        default=16, validators=[MinValueValidator(1)], help_text="Must equal the engines' --block-size."
+        default=16,
+        validators=[validate_block_size],
+        help_text=f"Must equal the engines' --block-size (1 to {MAX_BLOCK_SIZE} tokens).",
     )
     tokenizer_source = models.CharField(
-        max_length=500, blank=True, help_text="A local directory or a hub id; empty means auto-discovery."
+        max_length=500,
+        blank=True,
+        help_text="A local directory (or tokenizer.json), or a model id it is an alias of; empty means "
+        "auto-discovery. A new source must load to be saved.",
     )
-    chat_template = models.TextField(blank=True, help_text="Overrides the tokenizer's own chat template.")
+    chat_template = models.TextField(
+        blank=True,
+        validators=[validate_chat_template],
+        help_text="Overrides the tokenizer's own chat template (Jinja, as in tokenizer_config.json).",
+    )
     tier_weights = models.JSONField(default=default_tier_weights, validators=[validate_tier_weights])
     other_tier_weight = models.FloatField(default=0.5, validators=[MinValueValidator(0.0)])
     lora_adapters = models.JSONField(

@@ -6,12 +6,14 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from scoring.config import address_in_pod_id
 from scoring.liveness import HEALTHS, HealthChange, clear_pod_and_ranks
 from scoring.models import HashSeed, ModelConfig, Pod
-from scoring.runtime import get_index, invalidate_service_config
+from scoring.runtime import get_index, get_tokenizers, invalidate_service_config
+from scoring.tokenization import TokenizerError
 
 
 def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
@@ -67,13 +69,18 @@ def save_pod(pod: Pod) -> Pod:
     ``health`` belongs to the liveness prober: a save never writes back the value the form was
     read with (the prober may have changed it since), except to reset it to unknown when the pod
     gets a new address or is disabled (the verdict was about an address, or a pod, it no longer
-    probes)."""
+    probes).
+
+    A pod id or labels already stored are not judged again by the validators (ingest registers
+    whatever pod id a topic names): such a pod can still be disabled."""
     previous = (
-        Pod.objects.filter(pk=pod.pk).values("enabled", "address", "health", "health_changed_at").first()
+        Pod.objects.filter(pk=pod.pk)
+        .values("pod_id", "labels", "enabled", "address", "health", "health_changed_at")
+        .first()
         if pod.pk
         else None
     )
-    pod.full_clean()
+    pod.full_clean(exclude=[f for f in ("pod_id", "labels") if previous and previous[f] == getattr(pod, f)])
     if previous is None:
         pod.save()
     else:
@@ -141,11 +148,16 @@ def clear_pod_blocks(pod_id: str) -> int:
     return clear_pod_and_ranks(get_index(), pod_id)
 
 
-def save_model_config(config: ModelConfig) -> ModelConfig:
-    """Save a model config. A new block size changes every block key of the model, so its index
-    is cleared (engines re-report blocks as they cache them; until then it scores nothing)."""
+def save_model_config(config: ModelConfig, *, tokenizer_source_checked: bool = False) -> ModelConfig:
+    """Save a model config. A new tokenizer source is loaded first (``check_tokenizer_source``;
+    skipped when the caller has, ``tokenizer_source_checked``). A new block size changes every
+    block key of the model, so its index is cleared (engines re-report blocks as they cache them;
+    until then it scores nothing). Raises ``ValidationError`` (field -> what to fix), saving nothing."""
     previous = ModelConfig.objects.filter(pk=config.pk).first() if config.pk else None
     config.full_clean()
+    old_source = previous.tokenizer_source if previous is not None else ""
+    if config.tokenizer_source != old_source and not tokenizer_source_checked:
+        check_tokenizer_source(model=config.name, source=config.tokenizer_source)
     config.save()
     old_block_size = previous.block_size if previous is not None else settings.KVCACHE_BLOCK_SIZE
     if config.block_size != old_block_size:
@@ -154,6 +166,25 @@ def save_model_config(config: ModelConfig) -> ModelConfig:
         get_index().clear_model(model=previous.name)
     invalidate_service_config()
     return config
+
+
+def check_tokenizer_source(*, model: str, source: str) -> None:
+    """Load ``model``'s tokenizer from ``source`` as scoring will (``""``, auto-discovery, is not
+    loaded: a model may be scored by token ids alone). Raises ``ValidationError`` on
+    ``tokenizer_source`` naming what each tokenizer source answered: a source that does not load
+    would answer every prompt of the model 404 or 422."""
+    if not source:
+        return
+    try:
+        get_tokenizers().load_source(model, source)
+    except TokenizerError as error:
+        raise ValidationError(
+            {
+                "tokenizer_source": f"{source!r} does not load a tokenizer ({'; '.join(error.tried)}): "
+                "give a local directory or tokenizer.json path, or a model id that KVCACHE_TOKENIZERS_DIR "
+                "(or, with KVCACHE_ALLOW_HUB, the hub) has; empty for auto-discovery"
+            }
+        ) from error
 
 
 def delete_model_config(config: ModelConfig) -> None:

@@ -221,6 +221,13 @@ class TokenizerRegistry:
         flight.set_result(loaded)
         return loaded
 
+    def load_source(self, model: str, source: str) -> LoadedTokenizer:
+        """``model``'s tokenizer as it loads with ``source`` as its configured source (a local path,
+        or a model id it is an alias of): the check a new source passes before the registry accepts
+        it. Neither kept nor replacing the model's loaded tokenizer; raises :class:`TokenizerError`
+        as :meth:`get` does."""
+        return self._load(model, model_sources=lambda _: source)
+
     def loaded(self, model: str) -> LoadedTokenizer | None:
         """The model's tokenizer if it is loaded already (never loads, never probes a source)."""
         with self._lock:
@@ -231,9 +238,9 @@ class TokenizerRegistry:
         with self._lock:
             return list(self._loaded)
 
-    def _load(self, model: str) -> LoadedTokenizer:
+    def _load(self, model: str, model_sources: Callable[[str], str | None] | None = None) -> LoadedTokenizer:
         tried: list[str] = []
-        found = self._find(model, tried)
+        found = self._find(model, tried, model_sources or self.model_sources)
         if found is None:
             raise TokenizerNotFound(model, tried)
         shared = self._loaded_from(found.path)
@@ -267,13 +274,15 @@ class TokenizerRegistry:
         with self._lock:
             return next((loaded for loaded in self._loaded.values() if loaded.path == path), None)
 
-    def _find(self, model: str, tried: list[str]) -> _Found | None:
+    def _find(
+        self, model: str, tried: list[str], model_sources: Callable[[str], str | None] | None
+    ) -> _Found | None:
         """The first source with the model's tokenizer.json; what each source said goes to ``tried``."""
         repo_id = model
-        if self.model_sources is None:
+        if model_sources is None:
             tried.append(f"{SOURCE_CONFIG}: no per-model tokenizer configured")
         else:
-            configured = self.model_sources(model)
+            configured = model_sources(model)
             if configured is None:
                 tried.append(f"{SOURCE_CONFIG}: no entry for this model")
             elif _is_local_path(configured):

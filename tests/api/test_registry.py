@@ -4,16 +4,18 @@ on the index as the admin's edits, and visible to scoring within a config refres
 from __future__ import annotations
 
 import time
+from urllib.parse import quote
 
 import pytest
 import redis
 
 from scoring.api.codecs import json_depth_exceeds
-from scoring.models import ModelConfig, Pod
+from scoring.models import HashSeed, ModelConfig, Pod
 from scoring.runtime import CONFIG_REFRESH_SECONDS
 from scoring.selectors import load_service_config
 from scoring.streams import publish_snapshot
 from tests.api.conftest import MODEL, post
+from tests.tokenization import train_tiny_tokenizer
 
 
 def held_by(index, pod: str) -> int:
@@ -194,14 +196,23 @@ def test_setting_the_same_hash_seed_keeps_the_index(staff, engines, base_capture
     assert held_by(engines.index, "pod-a") == 25
 
 
-def test_a_new_tokenizer_source_takes_effect_within_5_seconds(staff, client, index, tmp_path):
-    body = {"model": "qwen-small", "prompt": "A prompt long enough to make a block or two of tokens."}
-    staff.post("/api/v1/models/", {"name": "qwen-small", "tokenizer_source": MODEL}, format="json")
-    assert post(client, "/score_completions", body).status_code == 200
+PROMPT = "A prompt long enough to make a block or two of tokens."  # 13 Qwen3 tokens, 40 tiny ones
 
-    (tmp_path / "tokenizer.json").write_text("{}")
-    staff.patch("/api/v1/models/qwen-small/", {"tokenizer_source": str(tmp_path)}, format="json")
-    assert eventually(lambda: post(client, "/score_completions", body).status_code == 422, within=5) < 5
+
+def blocks_of_prompt(client, model: str) -> int:
+    response = post(client, "/api/v1/score", {"model": model, "prompt": PROMPT})
+    assert response.status_code == 200, response.content
+    return response.json()["blocks"]
+
+
+def test_a_new_tokenizer_source_takes_effect_within_5_seconds(staff, client, index, tmp_path):
+    staff.post("/api/v1/models/", {"name": "qwen-small", "tokenizer_source": MODEL}, format="json")
+    assert blocks_of_prompt(client, "qwen-small") == 0
+
+    train_tiny_tokenizer(tmp_path)
+    response = staff.patch("/api/v1/models/qwen-small/", {"tokenizer_source": str(tmp_path)}, format="json")
+    assert response.status_code == 200, response.content
+    assert eventually(lambda: blocks_of_prompt(client, "qwen-small") == 2, within=5) < 5
 
 
 # --- request bodies: depth-limited JSON on every DRF endpoint ---------------------------------------
@@ -258,3 +269,127 @@ def test_json_depth_exceeds_counts_nested_arrays_and_objects():
     for _ in range(100_000):  # walked without recursion
         deep = [deep]
     assert json_depth_exceeds(b"[" * 100_001, deep, 64)
+
+
+# --- what the registry refuses: a 400 naming the field, nothing stored ------------------------------
+
+
+def broken_tokenizer(tmp_path) -> str:
+    (tmp_path / "tokenizer.json").write_text('{"this is": "not a tokenizer"}')
+    return str(tmp_path)
+
+
+@memory_index
+@pytest.mark.parametrize(
+    ("source", "answer"),
+    [
+        ("/models/qwen3", "/models/qwen3 has no tokenizer.json"),  # the README's example
+        ("nobody/unknown-model", "hub: disabled"),  # an alias no source has (no network)
+        (broken_tokenizer, "could not be loaded"),
+    ],
+)
+def test_a_tokenizer_source_that_does_not_load_is_refused_and_scoring_goes_on(
+    staff, client, index, tmp_path, source, answer
+):
+    source = source if isinstance(source, str) else source(tmp_path)
+    staff.post("/api/v1/models/", {"name": "qwen-small", "tokenizer_source": MODEL}, format="json")
+
+    response = staff.patch("/api/v1/models/qwen-small/", {"tokenizer_source": source}, format="json")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert set(error["fields"]) == {"tokenizer_source"}
+    assert answer in error["message"]
+    assert "KVCACHE_TOKENIZERS_DIR" in error["message"]  # what to do instead
+    assert ModelConfig.objects.get().tokenizer_source == MODEL
+    assert blocks_of_prompt(client, "qwen-small") == 0  # still scored with Qwen3
+
+    created = staff.post("/api/v1/models/", {"name": "other", "tokenizer_source": source}, format="json")
+    assert set(created.json()["error"]["fields"]) == {"tokenizer_source"}
+    assert not ModelConfig.objects.filter(name="other").exists()
+
+
+@memory_index
+@pytest.mark.parametrize(
+    ("changes", "field", "hint"),
+    [
+        ({"block_size": 2**40}, "block_size", "between 1 and 4096 tokens"),
+        ({"block_size": 0}, "block_size", "between 1 and 4096 tokens"),
+        ({"chat_template": "{% if %}"}, "chat_template", "is not valid Jinja (line 1)"),
+        ({"chat_template": "{{ messages | no_such_filter }}"}, "chat_template", "No filter named"),
+    ],
+)
+def test_a_model_config_that_cannot_work_is_a_400_saying_what_to_fix(staff, index, changes, field, hint):
+    created = staff.post("/api/v1/models/", {"name": MODEL, **changes}, format="json")
+    assert created.status_code == 400
+    assert set(created.json()["error"]["fields"]) == {field}
+    assert hint in created.json()["error"]["fields"][field][0]
+    assert not ModelConfig.objects.exists()
+
+    staff.post("/api/v1/models/", {"name": MODEL}, format="json")
+    patched = staff.patch(f"/api/v1/models/{MODEL}/", changes, format="json")
+    assert set(patched.json()["error"]["fields"]) == {field}
+    assert (ModelConfig.objects.get().block_size, ModelConfig.objects.get().chat_template) == (16, "")
+
+
+@memory_index
+def test_a_chat_template_that_compiles_is_accepted(staff, index):
+    template = "{% for m in messages %}{% generation %}{{ m.content|tojson }}{% endgeneration %}{% endfor %}"
+    response = staff.post("/api/v1/models/", {"name": MODEL, "chat_template": template}, format="json")
+    assert response.status_code == 201, response.content
+
+
+@memory_index
+@pytest.mark.parametrize(
+    ("body", "field", "hint"),
+    [
+        ({"pod_id": "a/b"}, "pod_id", "(not / # @ % or spaces)"),  # /api/v1/pods/a/b/ is no pod's URL
+        ({"pod_id": "pod-a#dp1"}, "pod_id", "(not / # @ % or spaces)"),  # a data-parallel rank's name
+        ({"pod_id": "pod@a"}, "pod_id", "(not / # @ % or spaces)"),  # a topic's pod ends at "@"
+        ({"pod_id": "pod a"}, "pod_id", "(not / # @ % or spaces)"),
+        ({"pod_id": ".."}, "pod_id", "must start with a letter, a digit or"),
+        ({"labels": "x"}, "labels", 'must be an object of name -> string, e.g. {"zone": "b"}'),
+        ({"labels": {"gpus": 8}}, "labels", "must be an object of name -> string"),
+    ],
+)
+def test_a_pod_the_registry_cannot_serve_is_a_400_saying_what_to_fix(staff, index, body, field, hint):
+    response = staff.post("/api/v1/pods/", {"pod_id": "pod-a", "model": MODEL, **body}, format="json")
+    assert response.status_code == 400
+    assert set(response.json()["error"]["fields"]) == {field}
+    assert hint in response.json()["error"]["fields"][field][0]
+    assert not Pod.objects.exists()
+
+
+@memory_index
+def test_labels_are_checked_on_every_write(staff, index):
+    staff.post("/api/v1/pods/", {"pod_id": "pod-a", "model": MODEL, "labels": {"zone": "b"}}, format="json")
+    response = staff.patch("/api/v1/pods/pod-a/", {"labels": ["zone", "b"]}, format="json")
+    assert set(response.json()["error"]["fields"]) == {"labels"}
+    assert Pod.objects.get().labels == {"zone": "b"}
+
+
+@memory_index
+@pytest.mark.parametrize("pod_id", ["vllm-0", "vllm_0.ns", "10.0.0.7:8000", "[fd00::7]:8000"])
+def test_every_pod_id_the_registry_accepts_has_a_working_detail_url(staff, index, pod_id):
+    assert staff.post("/api/v1/pods/", {"pod_id": pod_id, "model": MODEL}, format="json").status_code == 201
+    url = f"/api/v1/pods/{quote(pod_id, safe=':')}/"  # IPv6 brackets as %5B %5D, as curl -g does not
+
+    assert staff.get(url).json()["pod_id"] == pod_id
+    assert staff.patch(url, {"enabled": False}, format="json").json()["enabled"] is False
+    assert staff.delete(url).status_code == 204
+
+
+# --- the README's registry examples, as written: safe against `make run` ----------------------------
+
+
+@memory_index
+def test_putting_back_the_seed_read_from_the_api_changes_nothing(staff, engines, base_capture):
+    engines.cache_capture("pod-a", base_capture)
+    before = HashSeed.objects.get_or_create(pk=1)[0].updated_at
+
+    current = staff.get("/api/v1/hash-seed/").json()  # {"value": ..., "updated_at": ...}
+    response = staff.put("/api/v1/hash-seed/", current, format="json")
+    assert response.status_code == 200
+    assert response.json()["value"] == current["value"]
+    assert held_by(engines.index, "pod-a") == 25
+    assert HashSeed.objects.get().updated_at == before

