@@ -112,8 +112,9 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
-    # Before CommonMiddleware, the first to check the Host header: probes come with the pod's IP.
-    "scoring.api.middleware.HealthProbes",
+    # Before CommonMiddleware, the first to check the Host header: probes and Prometheus come
+    # with the pod's IP.
+    "scoring.api.middleware.ProbesAndScrapes",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",

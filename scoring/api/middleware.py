@@ -7,6 +7,7 @@ from collections.abc import Callable
 from django.http import HttpRequest, HttpResponse
 
 from scoring.api import views
+from scoring.api.metrics import metrics_view
 
 
 class SyncMiddlewareChain:
@@ -30,15 +31,16 @@ class SyncMiddlewareChain:
         return self.get_response(request)
 
 
-class HealthProbes:
-    """Answers the health probes, ``/healthz`` and ``/readyz``, whatever the Host header says.
+class ProbesAndScrapes:
+    """Answers the health probes (``/healthz``, ``/readyz``) and the Prometheus scrape
+    (``/metrics``) whatever the Host header says.
 
-    Kubernetes probes send the pod's IP as Host, which ``ALLOWED_HOSTS`` does not list; the probes
-    build no URL from it, so checking it could only fail them. Every other request still meets the
-    check (in ``CommonMiddleware``, after this one).
+    Kubernetes probes and Prometheus's pod discovery send the pod's IP as Host, which
+    ``ALLOWED_HOSTS`` does not list; these views build no URL from it, so checking it could only
+    fail them. Every other request still meets the check (in ``CommonMiddleware``, after this one).
     """
 
-    PROBES = {"/healthz": views.healthz, "/readyz": views.readyz}
+    PROBES = {"/healthz": views.healthz, "/readyz": views.readyz, "/metrics": metrics_view}
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response

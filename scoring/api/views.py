@@ -1,4 +1,4 @@
-"""The health probes, answered whatever the Host header (``scoring.api.middleware.HealthProbes``).
+"""The health probes, answered whatever the Host header (``scoring.api.middleware.ProbesAndScrapes``).
 Under ``manage.py serve`` the fast path (``scoring.fastpath.app``) answers ``/healthz`` and the
 scoring endpoints; their documentation is added to the schema by ``scoring.api.openapi``."""
 

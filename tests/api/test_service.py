@@ -84,6 +84,7 @@ def test_the_probes_answer_whatever_the_host_header_and_the_rest_checks_it(clien
     assert client.get("/healthz", HTTP_HOST=POD_IP).json() == {"status": "ok"}
     ready = client.get("/readyz", HTTP_HOST=POD_IP)
     assert (ready.status_code, ready.json()["status"]) == (200, "ready")
+    assert client.get("/metrics", HTTP_HOST=POD_IP).status_code == 200  # Prometheus by pod IP
     assert client.get("/api/schema/", HTTP_HOST=POD_IP).status_code == 400
 
 
@@ -93,6 +94,7 @@ def test_the_probes_answer_whatever_the_host_header_through_django_alone(index):
     response = django_client.get("/healthz", HTTP_HOST=POD_IP)
     assert (response.status_code, response.json()) == (200, {"status": "ok"})
     assert django_client.get("/readyz", HTTP_HOST=POD_IP).status_code == 200
+    assert django_client.get("/metrics", HTTP_HOST=POD_IP).status_code == 200
     assert django_client.get("/api/schema/", HTTP_HOST=POD_IP).status_code == 400
 
 
