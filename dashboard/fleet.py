@@ -10,7 +10,7 @@ not depend on how often anyone looks.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scoring.index.base import PodBlocks
@@ -300,3 +300,32 @@ def fleet_totals(
         "score_requests_per_s": score.requests_per_s if score else None,
         "hit_rate": score.hit_rate if score else None,
     }
+
+
+CHART_PODS = 8
+"""Pods with the most blocks whose block counts the fleet's block chart shows."""
+
+POD_SERIES = ("blocks", "stored_per_s", "removed_per_s", "events_per_s")
+"""The values of a pod in a history point (``scoring.streams``), in their order."""
+
+
+def fleet_chart(points: Sequence[Mapping], *, pods: int = CHART_PODS) -> dict:
+    """Columns for the fleet charts from history points (``scoring.streams.read_history``):
+    times, fleet series, and the block counts of the ``pods`` pods holding the most blocks in
+    the latest point (None where a point does not have the pod)."""
+    latest = points[-1]["pods"] if points else {}
+    top = sorted(latest, key=lambda pod: (-(latest[pod][0] or 0), pod))[:pods]
+    columns: dict = {"t": [p["t"] for p in points]}
+    for name in ("blocks", "events_per_s", "score_requests_per_s", "hit_rate"):
+        columns[name] = [p.get(name) for p in points]
+    columns["pods"] = {pod: [p["pods"][pod][0] if pod in p["pods"] else None for p in points] for pod in top}
+    return columns
+
+
+def pod_chart(points: Sequence[Mapping], pod: str) -> dict:
+    """Columns for one pod's chart from history points: times, and ``POD_SERIES`` (None where a
+    point does not have the pod)."""
+    columns: dict = {"t": [p["t"] for p in points]}
+    for i, name in enumerate(POD_SERIES):
+        columns[name] = [p["pods"][pod][i] if pod in p["pods"] else None for p in points]
+    return columns

@@ -5,11 +5,11 @@ Ingest snapshots arrive as channel-layer messages (each ingest process sends one
 ``settings.KVCACHE_STATS_GROUP``) through whichever dashboard consumer got them first; when the
 group has been silent for a while (this process just started, or the channel layer is down) the
 same snapshots are read from Redis instead. Frames (rows, totals) are built at most once per
-``min_interval`` however many dashboards are open, and each build appends a point to a bounded
-history and scrapes the gateways (``KVCACHE_GATEWAY_URLS``), keeping each one's scrapes of the last
-``gateway_window`` seconds for its recent numbers. History, activity logs and gateway scrapes live
-in memory: they cover the time since this process first served a dashboard, up to
-``history_seconds`` (``gateway_window``) back.
+``min_interval`` however many dashboards are open, and each build scrapes the gateways
+(``KVCACHE_GATEWAY_URLS``), keeping each one's scrapes of the last ``gateway_window`` seconds for
+their recent numbers. Activity logs and gateway scrapes live in memory: they cover the time since
+this process first served a dashboard. The charts' history is not here: ingest records it in
+Redis (``ingest.history``), where every web process reads the same.
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ from scoring.streams import STALE_AFTER_SECONDS
 LOG_SIZE = 50
 """Activity entries kept per pod (one per snapshot in which the pod's counters moved)."""
 
-CHART_PODS = 8
-"""Pods with the most blocks whose block counts the fleet history carries."""
-
 GATEWAY_WINDOW_SECONDS = 60.0
 """How far back a gateway's recent numbers (rates, hit rate, TTFT and overhead quantiles) reach."""
 
@@ -64,8 +61,8 @@ def instance_of(snapshot: dict) -> str:
 
 
 class FleetSampler:
-    """``min_interval``: a frame younger than this is reused. ``history_seconds``: how far back
-    history goes. ``stale_after``: seconds without an event before a pod is stale.
+    """``min_interval``: a frame younger than this is reused. ``stale_after``: seconds without an
+    event before a pod is no longer active.
     ``group_silence``: seconds without a channel-layer delivery before Redis is read instead.
     ``metrics``: where the scoring counters are read (``selectors.scoring_counters``).
     ``gateway_window``: seconds of gateway scrapes kept for their recent numbers."""
@@ -74,14 +71,12 @@ class FleetSampler:
         self,
         *,
         min_interval: float,
-        history_seconds: float,
         stale_after: float,
         group_silence: float = 3.0,
         metrics: CollectorRegistry = REGISTRY,
         gateway_window: float = GATEWAY_WINDOW_SECONDS,
     ) -> None:
         self.min_interval = min_interval
-        self.history_seconds = history_seconds
         self.stale_after = stale_after
         self.group_silence = group_silence
         self.metrics = metrics
@@ -92,7 +87,6 @@ class FleetSampler:
         self._build_lock = threading.Lock()  # one frame build at a time
         self._instances: dict[str, _Instance] = {}
         self._logs: dict[str, deque[dict]] = {}
-        self._history: deque[dict] = deque()
         self._heard_at = float("-inf")  # monotonic time of the last channel-layer delivery
         self._frame: dict | None = None
         self._frame_built_at = float("-inf")
@@ -204,21 +198,6 @@ class FleetSampler:
             index_available=blocks is not None,
             index_resyncing=resyncing,
         )
-        self._history.append(
-            {
-                "t": now,
-                "blocks": totals["blocks"],
-                "events_per_s": totals["events_per_s"],
-                "score_requests_per_s": totals["score_requests_per_s"],
-                "hit_rate": totals["hit_rate"],
-                "pods": {
-                    r["pod"]: (r["blocks"], r["stored_per_s"], r["removed_per_s"], r["events_per_s"])
-                    for r in rows
-                },
-            }
-        )
-        while self._history and self._history[0]["t"] < now - self.history_seconds:
-            self._history.popleft()
         return {"at": now, "totals": totals, "pods": rows, "gateways": self._gateway_rows(gateway_scrapes)}
 
     def _gateway_rows(self, scrapes: list[GatewayScrape]) -> list[dict]:
@@ -232,32 +211,6 @@ class FleetSampler:
                 window.popleft()
         self._gateway_scrapes = windows
         return [gateway_row(windows[s.url]) for s in scrapes]
-
-    def fleet_history(self, *, pods: int = CHART_PODS) -> dict:
-        """Columns for the fleet charts: times, fleet series, and the block counts of the
-        ``pods`` pods holding the most blocks now (None where a pod was unknown)."""
-        with self._lock:
-            points = list(self._history)
-        latest = points[-1]["pods"] if points else {}
-        top = sorted(latest, key=lambda p: (-latest[p][0], p))[:pods]
-        return {
-            "t": [p["t"] for p in points],
-            "blocks": [p["blocks"] for p in points],
-            "events_per_s": [p["events_per_s"] for p in points],
-            "score_requests_per_s": [p["score_requests_per_s"] for p in points],
-            "hit_rate": [p["hit_rate"] for p in points],
-            "pods": {pod: [p["pods"][pod][0] if pod in p["pods"] else None for p in points] for pod in top},
-        }
-
-    def pod_history(self, pod: str) -> dict:
-        """Columns for one pod's chart: times, blocks, and blocks stored, removed and events
-        per second (None where the pod was unknown or its rate not yet known)."""
-        with self._lock:
-            points = [(p["t"], p["pods"].get(pod)) for p in self._history]
-        columns: dict[str, list] = {"t": [t for t, _ in points]}
-        for i, name in enumerate(("blocks", "stored_per_s", "removed_per_s", "events_per_s")):
-            columns[name] = [values[i] if values else None for _, values in points]
-        return columns
 
     def pod_log(self, pod: str) -> list[dict]:
         """The pod's recent activity, newest first (at most ``LOG_SIZE`` entries)."""
@@ -278,7 +231,6 @@ def get_sampler() -> FleetSampler:
                 # A little under the push interval, so that every push of every open dashboard
                 # gets a fresh frame while N dashboards still cost one build per interval.
                 min_interval=settings.DASHBOARD_PUSH_SECONDS * 0.9,
-                history_seconds=settings.DASHBOARD_HISTORY_SECONDS,
                 stale_after=settings.DASHBOARD_STALE_SECONDS,
             )
         return _sampler

@@ -1,6 +1,6 @@
 """Reads the dashboard makes of the rest of the system: the registry, the index, the ingest
-snapshots shared through Redis, the scoring API's Prometheus counters and the gateways'
-``/metrics``. Each returns plain values (``dashboard.fleet`` and ``dashboard.gateways`` types);
+snapshots and the history shared through Redis, the scoring API's Prometheus counters and the
+gateways' ``/metrics``. Each returns plain values (``dashboard.fleet`` and ``dashboard.gateways`` types);
 none writes."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dashboard.gateways import GatewayScrape, gateway_traffic, parse_gateway_met
 from scoring.index.base import IndexUnavailable, PodBlocks
 from scoring.models import Pod
 from scoring.runtime import get_index, resyncing_models
-from scoring.streams import read_snapshots
+from scoring.streams import HistoryLevel, read_history, read_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -123,18 +123,38 @@ _redis_clients: dict[str, redis.Redis] = {}
 _redis_lock = threading.Lock()
 
 
-def shared_snapshots() -> list[dict]:
-    """The fresh ingest snapshots every ingest process stores in Redis (``scoring.streams``);
-    empty when the index is not shared through Redis or Redis cannot be reached."""
+def _redis() -> redis.Redis | None:
+    """The client of ``REDIS_URL``; None when the index is not shared through Redis."""
     if settings.KVCACHE_INDEX_BACKEND != "redis":
-        return []
+        return None
     url = settings.REDIS_URL
     with _redis_lock:
         client = _redis_clients.get(url)
         if client is None:
             client = _redis_clients[url] = redis.Redis.from_url(url, socket_timeout=2.0)
+    return client
+
+
+def shared_snapshots() -> list[dict]:
+    """The fresh ingest snapshots every ingest process stores in Redis (``scoring.streams``);
+    empty when the index is not shared through Redis or Redis cannot be reached."""
+    if (client := _redis()) is None:
+        return []
     try:
         return read_snapshots(client)
     except redis.RedisError as e:
         log.warning("could not read the ingest snapshots from Redis: %s", e)
+        return []
+
+
+def recorded_history(level: HistoryLevel, *, after: float) -> list[dict]:
+    """The points of ``level`` that ingest recorded after ``after`` (unix seconds), oldest first
+    (``scoring.streams.read_history``); none when the index is not shared through Redis or Redis
+    cannot be reached."""
+    if (client := _redis()) is None:
+        return []
+    try:
+        return read_history(client, level, after=after)
+    except redis.RedisError as e:
+        log.warning("could not read the dashboard history from Redis: %s", e)
         return []

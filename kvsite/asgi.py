@@ -8,8 +8,10 @@
   the user themselves) and must come from one of ``ALLOWED_HOSTS``
   (``AllowedHostsOriginValidator``: no cross-site pages);
 * lifespan: at start-up the registry snapshot is loaded and its models' tokenizers too (so no
-  first request waits for either), and the start-up heap is frozen out of the garbage collector's
-  reach; at shutdown the fast path's threads and template sandbox stop.
+  first request waits for either), the start-up heap is frozen out of the garbage collector's
+  reach, and a ``manage.py serve`` process starts sharing its scoring traffic for the
+  dashboard's history (``dashboard.traffic``); at shutdown the fast path's threads and template
+  sandbox stop.
 """
 
 import os
@@ -25,6 +27,7 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from dashboard import traffic  # noqa: E402
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
 from scoring import runtime  # noqa: E402
 
@@ -54,6 +57,7 @@ async def lifespan(receive, send):
             # A thread doing Python work (keys of a long prompt, a prefix store update) gives the
             # event loop the GIL back within 1 ms, not 5: small requests wait less behind it.
             sys.setswitchinterval(0.001)
+            traffic.start_publishing()
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             scoring_app.close()

@@ -1,10 +1,30 @@
-"""The stream counters of the ingest processes as the other processes see them.
+"""The stream counters of the ingest processes as the other processes see them, the web's scoring
+counters beside them, and the fleet's history that ingest records from both for the dashboard.
 
 Each ingest process writes its snapshot (``ingest.stats.IngestStats.snapshot``) as JSON into the
 HASH ``kv:ingest:stats`` under its own instance id, once a second; readers merge the snapshots
 that are fresh. The web process turns them into ``/metrics`` (``collect_families``), the pods API
 and the dashboard. The format lives here, below both ``ingest`` (the writer) and the web (the
 readers), so neither reaches into the other.
+
+Redis layout of the rest (every value JSON):
+
+    kv:web:scoring   HASH    source -> {"at", "requests", "hits"}: cumulative scoring counters,
+                             "web:<host>:<pid>" per web process, "gateway:<url>" per gateway
+                             (``dashboard.traffic`` publishes them once a second)
+    kv:history:1s    STREAM  one point a second, the last 600 (10 minutes)
+    kv:history:10s   STREAM  one point every 10 s, the last 8640 (24 hours)
+
+A history point is one stream entry whose ID is the start of the step it was recorded in (whole
+seconds, a multiple of the level's step: ``<unix ms>-0``), and whose field ``p`` is
+``{"blocks", "events_per_s", "score_requests_per_s", "hit_rate", "pods": {pod: [blocks,
+stored_per_s, removed_per_s, events_per_s]}}``: block counts then, rates over about the step
+before (null when unknown), for the ``HISTORY_PODS`` pods holding the most blocks. Redis refuses
+an entry whose ID is not above the last one, so an interval has one point however many ingest
+processes record it (``ingest.history``), and ``XADD ... MAXLEN`` keeps each stream at its length
+whatever the uptime: 9,240 points of ~130 bytes plus the pod's name and ~30 bytes per pod
+(measured with ``MEMORY USAGE``: 8 pods named ``sim-<i>``: 3.5 MB; 64 pods with 11-character
+names: 24 MB; 64 with 36-character names: 39 MB; ``HISTORY_PODS`` caps it).
 """
 
 from __future__ import annotations
@@ -14,6 +34,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -37,22 +58,101 @@ def withdraw_snapshot(client: redis.Redis, *, instance: str) -> None:
 def read_snapshots(client: redis.Redis, *, now: float | None = None) -> list[dict]:
     """Every fresh snapshot (published within ``STALE_AFTER_SECONDS``); stale or unreadable
     ones are deleted."""
+    return list(_read_fresh(client, STATS_KEY, now=now).values())
+
+
+def _read_fresh(client: redis.Redis, key: str, *, now: float | None) -> dict[str, dict]:
+    """The JSON values of the HASH ``key`` with an ``at`` within ``STALE_AFTER_SECONDS`` of
+    ``now``, by field; the others are deleted."""
     now = time.time() if now is None else now
-    fresh: list[dict] = []
+    fresh: dict[str, dict] = {}
     stale: list[bytes] = []
-    for instance, raw in client.hgetall(STATS_KEY).items():
+    for field, raw in client.hgetall(key).items():
         try:
-            snap = json.loads(raw)
+            value = json.loads(raw)
         except ValueError:
-            stale.append(instance)
+            stale.append(field)
             continue
-        if now - snap.get("at", 0) <= STALE_AFTER_SECONDS:
-            fresh.append(snap)
+        if now - value.get("at", 0) <= STALE_AFTER_SECONDS:
+            fresh[field.decode()] = value
         else:
-            stale.append(instance)
+            stale.append(field)
     if stale:
-        client.hdel(STATS_KEY, *stale)
+        client.hdel(key, *stale)
     return fresh
+
+
+SCORING_KEY = "kv:web:scoring"
+
+
+def publish_scoring(
+    client: redis.Redis, *, source: str, at: float, requests: float, hits: float | None
+) -> None:
+    """``source``'s cumulative scoring counters as of ``at``: requests scored or routed, and those
+    that found a cached prefix (None: the source does not count them)."""
+    value = {"at": at, "requests": requests, "hits": hits}
+    client.hset(SCORING_KEY, source, json.dumps(value, separators=(",", ":")))
+
+
+def read_scoring(client: redis.Redis, *, now: float | None = None) -> dict[str, dict]:
+    """Every fresh ``publish_scoring`` value, by source; stale or unreadable ones are deleted."""
+    return _read_fresh(client, SCORING_KEY, now=now)
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryLevel:
+    """One resolution of the fleet's history: a point every ``step`` seconds, the last
+    ``length`` kept (the STREAM ``key``)."""
+
+    step: int
+    length: int
+
+    @property
+    def key(self) -> str:
+        return f"kv:history:{self.step}s"
+
+    @property
+    def seconds(self) -> int:
+        return self.step * self.length
+
+
+HISTORY_LEVELS = (HistoryLevel(step=1, length=600), HistoryLevel(step=10, length=8640))
+"""Finest first: 10 minutes at 1 s, 24 hours at 10 s."""
+
+HISTORY_PODS = 64
+"""Pods a history point carries at most: those holding the most blocks (the bound on its size)."""
+
+
+def history_level(seconds: float) -> HistoryLevel:
+    """The finest level reaching ``seconds`` back (the coarsest when none does)."""
+    return next((level for level in HISTORY_LEVELS if level.seconds >= seconds), HISTORY_LEVELS[-1])
+
+
+def record_point(client: redis.Redis, level: HistoryLevel, *, t: int, point: dict) -> bool:
+    """Append ``point`` as ``level``'s point for the interval starting at ``t`` (unix seconds, a
+    multiple of its step) and trim the stream to ``level.length`` points. False when another
+    writer was first: Redis refuses an entry ID not above the stream's last."""
+    fields = {"p": json.dumps(point, separators=(",", ":"))}
+    try:
+        client.xadd(level.key, fields, id=f"{t * 1000}-0", maxlen=level.length, approximate=False)
+    except redis.ResponseError as e:
+        if "equal or smaller" not in str(e):
+            raise
+        return False
+    return True
+
+
+def read_history(client: redis.Redis, level: HistoryLevel, *, after: float) -> list[dict]:
+    """``level``'s points of the intervals starting after ``after`` (unix seconds), oldest first,
+    each ``{"t": start, **point}``."""
+    points = []
+    for entry_id, fields in client.xrange(level.key, min=int(after * 1000) + 1, max="+"):
+        try:
+            point = json.loads(fields[b"p"])
+        except (KeyError, ValueError):
+            continue
+        points.append({"t": int(entry_id.partition(b"-")[0]) / 1000, **point})
+    return points
 
 
 _STREAM_COUNTERS = (

@@ -28,6 +28,7 @@ CORE = [
     "ingest.resync",
     "ingest.replay",
     "ingest.pipeline",
+    "ingest.history",
     "scoring.epochs",
     "gateway.app",
     "gateway.policies",

@@ -2,8 +2,10 @@
 ``manage.py ingest`` on the test Redis, Debian's headless Chromium driven by Playwright, KV events
 published over ZeroMQ, a gateway's ``/metrics`` served over HTTP. What a person would see: log in
 through the admin login, read the gateways' policy, decisions and latencies (and which gateway
-cannot be reached), watch a pod's block count change on the fleet page within 3 seconds, keep
-watching across a web server restart, open the pod's page."""
+cannot be reached), watch a pod's block count change on the fleet page within 3 seconds, read the
+charts' legends without pointing at them (the history ingest records, the scoring traffic the web
+shares), keep watching across a web server restart, switch the charts to the last 24 hours, open
+the pod's page."""
 
 from __future__ import annotations
 
@@ -84,8 +86,8 @@ def stack(tmp_path, redis_url, gateway_metrics) -> Iterator[dict]:
     )
     web = Process(
         # One worker: a pod's activity log lives in the memory of the worker that observed it
-        # (dashboard/sampler.py), so a page served by another worker starts empty (issue 12 moves
-        # the history into the index).
+        # (dashboard/sampler.py), so a page served by another worker starts empty (the charts'
+        # history does not: ingest records it in Redis).
         [*manage, "serve", "--port", str(web_port), "--workers", "1"],
         env,
         tmp_path / "web.log",
@@ -162,6 +164,21 @@ def check_the_gateways(page, gateway, refused: str) -> None:
     expect(page.locator("#gateways-empty")).to_be_hidden()
 
 
+def legend_value(page, chart: str, series: str):
+    """The value a chart's legend shows for one series (uPlot's legend table)."""
+    return page.locator(f"#{chart} .u-legend tr.u-series", has_text=series).first.locator(".u-value")
+
+
+def check_the_legends(page) -> None:
+    """Each legend shows the latest values as soon as there are points, with no pointer over
+    the chart: the pod's blocks, events per second, and the scoring requests the gateway routed
+    (shared by the web, recorded by ingest)."""
+    page.mouse.move(0, 0)
+    expect(legend_value(page, "chart-blocks", "pod-e2e")).to_have_text("25", timeout=5_000)
+    expect(legend_value(page, "chart-traffic", "events/s")).not_to_have_text("—")
+    expect(legend_value(page, "chart-traffic", "scoring requests/s")).not_to_have_text("—", timeout=5_000)
+
+
 def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, tmp_path):
     engine = Engine(stack["endpoint"], "pod-e2e")
     with sync_playwright() as playwright:
@@ -198,6 +215,7 @@ def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, t
             expect(row.locator('[data-col="hash_alignment"]')).to_have_text("100.0 %", timeout=3_000)
             expect(row.locator('[data-col="status"]')).to_have_text("active")
             expect(page.locator('[data-total="blocks"]')).to_contain_text("25")
+            check_the_legends(page)
 
             page.fill("#pod-filter", "no-such-pod")
             expect(row).to_be_hidden()
@@ -214,9 +232,13 @@ def test_a_pod_s_blocks_change_on_screen_within_3_seconds(stack, base_capture, t
             expect(blocks).to_have_text("20", timeout=3_000)
             assert time.monotonic() - started < 3.0
 
+            page.select_option("#chart-span", "86400")  # the 24-hour level, then live points
+            expect(legend_value(page, "chart-blocks", "pod-e2e")).to_have_text("20", timeout=5_000)
+
             row.locator("a").click()
             expect(page).to_have_url(stack["base"] + "/dashboard/pods/pod-e2e/")
             expect(page.locator('[data-field="blocks"]')).to_have_text("20", timeout=5_000)
+            expect(legend_value(page, "chart-pod", "blocks")).to_have_text("20", timeout=5_000)
             expect(page.locator("#pod-log tbody tr").first).to_be_visible(timeout=5_000)
             assert errors == []
         finally:

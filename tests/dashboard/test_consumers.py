@@ -1,9 +1,11 @@
-"""The dashboard websocket through the real ASGI stack: who may connect, what it sends, and
-that what a real ingest pipeline applies reaches it through the channel layer."""
+"""The dashboard websocket through the real ASGI stack: who may connect, what it sends, that what
+a real ingest pipeline applies reaches it through the channel layer, and that its charts are the
+history ingest recorded in Redis, whoever looks and whenever."""
 
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
@@ -14,10 +16,11 @@ from ingest.events import BlockRemoved
 from ingest.management.commands.ingest import Housekeeping
 from scoring.config import ServiceConfig
 from scoring.index import open_index
+from scoring.models import Pod
 from scoring.runtime import set_index
 from tests.dashboard.conftest import communicator, receive_until, session_cookie, unreachable_url
 from tests.events import stored_event
-from tests.ingest.conftest import Harness
+from tests.ingest.conftest import MODEL, Harness
 
 ROW_FIELDS = {
     "pod",
@@ -160,9 +163,7 @@ def pipeline(settings, redis_url):
     set_index(index)
     harness = Harness(index, ServiceConfig(seed="42", default_block_size=16))
     # Only the group may bring snapshots here: Redis (the fallback) is never read.
-    sampler_module._sampler = FleetSampler(
-        min_interval=0.05, history_seconds=60, stale_after=60, group_silence=float("inf")
-    )
+    sampler_module._sampler = FleetSampler(min_interval=0.05, stale_after=60, group_silence=float("inf"))
     housekeeping = Housekeeping(harness.stats)
     yield harness, housekeeping
     housekeeping.close()
@@ -224,6 +225,102 @@ def test_frames_follow_events_through_a_real_pipeline(staff_user, pipeline, base
     assert pod_frame["pod"]["blocks"] == 20
     assert pod_frame["log"][0]["blocks_stored"] == 25  # newest first: the store of snapshot 2
     assert history["log"] == pod_frame["log"]
+
+
+def test_the_charts_are_the_history_ingest_recorded_while_no_page_was_open(
+    staff_user, pipeline, base_capture
+):
+    harness, housekeeping = pipeline
+    pub = harness.publisher("pod-a")
+    pub.send([stored_event(base_capture)])
+    harness.sync("pod-a")
+    for _ in range(3):  # three seconds' housekeeping, nobody watching
+        housekeeping.run_once()
+        time.sleep(0.6)
+    cookie = session_cookie(staff_user)
+
+    async def history(path: str) -> dict:
+        comm = communicator(path, cookie=cookie)
+        assert (await comm.connect())[0]
+        message = await comm.receive_json_from(timeout=5)
+        await comm.disconnect()
+        return message
+
+    fleet = async_to_sync(history)("/ws/dashboard/")
+    assert (fleet["type"], fleet["seconds"], fleet["step"]) == ("history", 600, 1)
+    assert len(fleet["t"]) >= 2 and fleet["t"] == sorted(fleet["t"])
+    assert fleet["pods"]["pod-a"][-1] == 25
+    assert fleet["events_per_s"][-1] is not None
+    sampler_module.reset_sampler()  # another web process, or this one restarted: the same charts
+    assert async_to_sync(history)("/ws/dashboard/") == fleet
+    pod = async_to_sync(history)("/ws/dashboard/pods/pod-a/")
+    assert (pod["t"], pod["blocks"][-1]) == (fleet["t"], 25)
+
+
+def test_frames_bring_the_points_recorded_since_and_the_page_may_ask_for_another_span(staff_user, pipeline):
+    harness, housekeeping = pipeline
+    harness.publisher("pod-a")
+    housekeeping.run_once()
+    cookie = session_cookie(staff_user)
+
+    async def scenario():
+        comm = communicator("/ws/dashboard/", cookie=cookie)
+        assert (await comm.connect())[0]
+        history = await comm.receive_json_from(timeout=5)
+        await sync_to_async(time.sleep)(1.0)
+        await sync_to_async(housekeeping.run_once)()  # a new second: a new point
+        frame = await receive_until(comm, lambda m: m["type"] == "frame" and m["chart"]["t"])
+        await comm.send_to(text_data="not what the page sends")  # ignored
+        await comm.send_json_to({"history_seconds": 86400})
+        day = await receive_until(comm, lambda m: m["type"] == "history")
+        await comm.send_json_to({"history_seconds": 1})  # at least a minute
+        minute = await receive_until(comm, lambda m: m["type"] == "history")
+        await comm.disconnect()
+        return history, frame, day, minute
+
+    history, frame, day, minute = async_to_sync(scenario)()
+    assert frame["chart"]["t"][0] > history["t"][-1]
+    assert "pod-a" in frame["chart"]["pods"]
+    assert (day["seconds"], day["step"]) == (86400, 10)  # the 24-hour level: a point every 10 s
+    assert day["t"] and all(t % 10 == 0 for t in day["t"])
+    assert (minute["seconds"], minute["step"]) == (60, 1)
+
+
+def test_a_frame_tells_the_five_pod_states_apart(staff_user, memory_index):
+    """Active: an event within DASHBOARD_STALE_SECONDS; idle: none since, but the prober finds it
+    up; stale: none since and nothing vouches for it (or it serves without sending events);
+    down: the prober finds /health failing; disabled: the registry says so."""
+    now = datetime.now(UTC)
+    long_ago = now - timedelta(minutes=10)
+    for pod_id, last_seen, health, enabled in [
+        ("p-active", now, "up", True),
+        ("p-idle", long_ago, "up", True),
+        ("p-stale", long_ago, "unknown", True),
+        ("p-busy", long_ago, "busy", True),
+        ("p-down", now, "down", True),
+        ("p-disabled", now, "up", False),
+    ]:
+        Pod.objects.create(pod_id=pod_id, model=MODEL, last_seen=last_seen, health=health, enabled=enabled)
+    cookie = session_cookie(staff_user)
+
+    async def frame() -> dict:
+        comm = communicator("/ws/dashboard/", cookie=cookie)
+        assert (await comm.connect())[0]
+        message = await receive_until(comm, lambda m: m["type"] == "frame")
+        await comm.disconnect()
+        return message
+
+    message = async_to_sync(frame)()
+    assert {r["pod"]: r["status"] for r in message["pods"]} == {
+        "p-active": "active",
+        "p-idle": "idle",
+        "p-stale": "stale",
+        "p-busy": "stale",
+        "p-down": "down",
+        "p-disabled": "disabled",
+    }
+    totals = message["totals"]
+    assert [totals[s] for s in ("active", "idle", "stale", "down", "disabled")] == [1, 1, 2, 1, 1]
 
 
 def test_housekeeping_survives_a_broken_channel_layer(settings, caplog, transactional_db):

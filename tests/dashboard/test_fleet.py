@@ -1,5 +1,5 @@
 """The fleet view's pure core: counters per pod, rates and activity from successive snapshots,
-rows with their status, totals."""
+rows with their status, totals, and the charts' columns from recorded history points."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from dashboard.fleet import (
     RegistryPod,
     ScoreCounters,
     activity_between,
+    fleet_chart,
     fleet_totals,
+    pod_chart,
     pod_counters,
     pod_of_holder,
     pod_rows,
@@ -212,3 +214,38 @@ def test_without_a_hits_counter_the_hit_rate_is_unknown_not_zero():
         [], unattributed_errors=0, ingest_processes=0, scoring=ScoreCounters(20, None), score=rates
     )
     assert (totals["scoring_available"], totals["hit_rate_available"]) == (True, False)
+
+
+def point(t: float, **pods: list) -> dict:
+    """A recorded history point (``scoring.streams``): per pod [blocks, stored/s, removed/s, events/s]."""
+    return {
+        "t": t,
+        "blocks": 0,
+        "events_per_s": 1.0,
+        "score_requests_per_s": None,
+        "hit_rate": None,
+        "pods": pods,
+    }
+
+
+def test_the_fleet_chart_shows_the_pods_holding_most_blocks_in_the_latest_point():
+    points = [
+        point(1.0, small=[5, 0, 0, 0], gone=[99, 0, 0, 0]),
+        point(2.0, small=[1, 0, 0, 0], big=[9, 1.5, 0, 2.0], mid=[4, 0, 0, 0]),
+    ]
+    chart = fleet_chart(points, pods=2)
+    assert chart["t"] == [1.0, 2.0]
+    assert chart["events_per_s"] == [1.0, 1.0]
+    assert chart["pods"] == {"big": [None, 9], "mid": [None, 4]}  # None: not in that point
+    assert fleet_chart([], pods=2)["pods"] == {}
+
+
+def test_a_pod_chart_has_its_four_series_and_gaps_where_it_was_not_recorded():
+    chart = pod_chart([point(1.0), point(2.0, big=[9, 1.5, 0.5, 2.0])], "big")
+    assert chart == {
+        "t": [1.0, 2.0],
+        "blocks": [None, 9],
+        "stored_per_s": [None, 1.5],
+        "removed_per_s": [None, 0.5],
+        "events_per_s": [None, 2.0],
+    }

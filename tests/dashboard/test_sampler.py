@@ -40,7 +40,6 @@ def index(settings, redis_url) -> Iterator:
 def make_sampler(**overrides) -> FleetSampler:
     options = {
         "min_interval": 0.0,
-        "history_seconds": 60.0,
         "stale_after": 30.0,
         "group_silence": float("inf"),
         "metrics": CollectorRegistry(),
@@ -260,23 +259,6 @@ def test_redis_is_read_only_while_the_group_is_silent(index, redis_url):
     listening = make_sampler(group_silence=60.0)
     listening.observe(snapshot(now, stream("via-group", last_event_at=now), instance="ingest-2"))
     assert [r["pod"] for r in listening.frame()["pods"]] == ["via-group"]
-
-
-@pytest.mark.django_db
-def test_history_is_bounded_and_charts_the_pods_with_most_blocks(index):
-    sampler = make_sampler(history_seconds=0.3)
-    for pod, n in (("small", 1), ("big", 9), ("mid", 4)):
-        store(index, pod, n)
-    for _ in range(5):
-        sampler.frame()
-        time.sleep(0.1)
-    history = sampler.fleet_history(pods=2)
-    assert 2 <= len(history["t"]) <= 4
-    assert set(history["pods"]) == {"big", "mid"}
-    assert history["pods"]["big"][-1] == 9
-    pod = sampler.pod_history("mid")
-    assert pod["blocks"][-1] == 4
-    assert len(pod["t"]) == len(pod["blocks"]) == len(pod["stored_per_s"])
 
 
 @pytest.mark.django_db

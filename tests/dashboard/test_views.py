@@ -67,6 +67,15 @@ def test_the_pod_page_names_the_pod_even_before_it_is_registered(staff_client):
     assert "Not in the pod registry" in html
 
 
+@pytest.mark.parametrize("url", ["/dashboard/", "/dashboard/pods/pod-a/"])
+def test_the_charts_span_can_be_chosen_up_to_a_day(staff_client, url):
+    html = staff_client.get(url).content.decode()
+    assert '<label for="chart-span">Span</label>' in html
+    spans = re.findall(r'<option value="(\d+)">', html.split('id="chart-span"')[1].split("</select>")[0])
+    assert spans == ["600", "3600", "21600", "86400"]
+    assert 'data-history-seconds="600' in html  # the span a page opens with
+
+
 def test_the_charting_library_comes_from_node_modules():
     found = finders.find("vendor/uplot/uPlot.iife.min.js")
     assert found is not None, "run `make node-deps` (npm ci) first"

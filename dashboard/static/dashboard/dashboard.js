@@ -1,10 +1,12 @@
 /* The dashboard pages, in plain JS (no build step).
  *
  * Both pages open one websocket that reconnects on its own (the server restarting, the network
- * going away) and get a "history" message (chart columns so far), then a "frame" every push
- * interval. The fleet page keeps one table row per pod and updates its cells in place, so 200
- * pods cost a few thousand text updates a second at most; sorting and filtering only reorder or
- * hide existing rows. Charts are uPlot (node_modules/uplot, served by the project itself).
+ * going away) and get a "history" message (the chart columns ingest recorded over the chosen
+ * span), then a "frame" every push interval, with the points recorded since ("chart"); choosing
+ * another span asks for its history. The fleet page keeps one table row per pod and updates its
+ * cells in place, so 200 pods cost a few thousand text updates a second at most; sorting and
+ * filtering only reorder or hide existing rows. Charts are uPlot (node_modules/uplot, served by
+ * the project itself); their legends show the latest values until the cursor points elsewhere.
  */
 (function () {
   "use strict";
@@ -66,7 +68,9 @@
 
   // ---- the live connection ----------------------------------------------------------------
 
-  function connect(path, onMessage) {
+  /* Returns send(message): to the server, when connected. hello() (if given) is sent on each
+     connection that opens (what the page asks for beyond the defaults). */
+  function connect(path, onMessage, hello) {
     const status = document.getElementById("connection");
     let delay = 500;
     let socket = null;
@@ -89,6 +93,8 @@
         delay = 500;
         show("live", "Live");
         arm();
+        const message = hello && hello();
+        if (message) socket.send(JSON.stringify(message));
       };
       socket.onmessage = (event) => {
         arm();
@@ -102,6 +108,30 @@
       };
     }
     open();
+    return (message) => {
+      if (socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify(message));
+    };
+  }
+
+  /* The span select of the charts: starts at the server's default span; onChange(seconds). */
+  function spanControl(onChange) {
+    const select = document.getElementById("chart-span");
+    if ([...select.options].some((o) => Number(o.value) === HISTORY_SECONDS)) select.value = String(HISTORY_SECONDS);
+    select.addEventListener("change", () => onChange(Number(select.value)));
+    return () => Number(select.value);
+  }
+
+  /* Legend values: at the cursor, else the latest value, so that the legend reads at once. */
+  function legendValue(format) {
+    return (u, v, sidx, idx) => {
+      if (idx == null) {
+        const values = u.data[sidx];
+        let i = values.length - 1;
+        while (i >= 0 && values[i] == null) i--;
+        v = i >= 0 ? values[i] : null;
+      }
+      return v == null ? DASH : format(v);
+    };
   }
 
   // ---- charts -----------------------------------------------------------------------------
@@ -140,14 +170,14 @@
           scales: { x: { time: true }, ...this.scales },
           axes: this.axes,
           series: [
-            { label: "time", value: (u, v) => (v == null ? DASH : fmt.time(v)) },
+            { label: "time", value: legendValue(fmt.time) },
             ...series.map((s, i) => ({
               label: s.label,
               scale: s.scale,
               stroke: PALETTE[i % PALETTE.length],
               width: 2,
               dash: s.dash,
-              value: (u, v) => (v == null ? DASH : s.format ? s.format(v) : fmt.rate(v)),
+              value: legendValue(s.format || fmt.rate),
             })),
           ],
         },
@@ -157,26 +187,35 @@
     }
   }
 
-  /* Columns of a time series, trimmed to the history window. Columns can appear at any time
-     (a new pod): their past is filled with nulls. A gap in time (nobody was sampling) gets a
-     null row, so that lines break there instead of bridging it. */
+  /* Columns of a time series, trimmed to the span shown. Columns can appear at any time (a new
+     pod): their past is filled with nulls. A gap in time (no point was recorded: no ingest
+     process ran) gets a null row, so that lines break there instead of bridging it. */
   class Columns {
     constructor() {
       this.t = [];
       this.cols = new Map();
+      this.seconds = HISTORY_SECONDS;
+      this.step = 1;
     }
     get(name) {
       if (!this.cols.has(name)) this.cols.set(name, new Array(this.t.length).fill(null));
       return this.cols.get(name);
     }
-    reset(t, columns) {
+    /* A history message: its span, the step between its points, and its columns. */
+    reset(seconds, step, t, columns) {
       this.t = [];
       this.cols = new Map();
+      this.seconds = seconds;
+      this.step = step;
+      this.extend(t, columns);
+    }
+    extend(t, columns) {
       t.forEach((at, i) => this.push(at, Object.fromEntries(Object.entries(columns).map(([n, v]) => [n, v[i]]))));
     }
     push(t, values) {
       const last = this.t[this.t.length - 1];
-      if (last != null && t - last > 3 * PUSH_SECONDS) this.append(last + PUSH_SECONDS, {});
+      if (last != null && t <= last) return; // already shown (a frame racing a new history)
+      if (last != null && t - last > 3 * this.step) this.append(last + this.step, {});
       this.append(t, values);
       this.trim(t);
     }
@@ -187,7 +226,7 @@
     }
     trim(now) {
       let drop = 0;
-      while (drop < this.t.length && this.t[drop] < now - HISTORY_SECONDS) drop++;
+      while (drop < this.t.length && this.t[drop] < now - this.seconds) drop++;
       if (!drop) return;
       this.t.splice(0, drop);
       for (const [name, col] of this.cols) {
@@ -538,14 +577,20 @@
       ]);
     }
 
-    function onHistory(msg) {
+    // Chart columns (a history message, a frame's "chart") under the names series uses.
+    function chartColumns(chart) {
       const columns = {
-        events_per_s: msg.events_per_s,
-        score_requests_per_s: msg.score_requests_per_s,
-        hit_rate: msg.hit_rate,
+        events_per_s: chart.events_per_s,
+        score_requests_per_s: chart.score_requests_per_s,
+        hit_rate: chart.hit_rate,
       };
-      for (const [pod, values] of Object.entries(msg.pods)) columns["pod:" + pod] = values;
-      series.reset(msg.t, columns);
+      for (const [pod, values] of Object.entries(chart.pods)) columns["pod:" + pod] = values;
+      return columns;
+    }
+
+    function onHistory(msg) {
+      series.reset(msg.seconds, msg.step, msg.t, chartColumns(msg));
+      if (latestRows.length) drawCharts();
     }
 
     function onFrame(msg) {
@@ -569,15 +614,18 @@
       showTotals(msg.totals);
       showGateways(msg.gateways || []);
 
-      // Every pod gets a column, so that a pod entering the chart's top brings its past along.
-      const { events_per_s, score_requests_per_s, hit_rate } = msg.totals;
-      const point = { events_per_s, score_requests_per_s, hit_rate };
-      for (const r of msg.pods) point["pod:" + r.pod] = r.blocks;
-      series.push(msg.at, point);
+      // The points recorded since: every pod's blocks, so that a pod entering the chart's top
+      // brings its past along.
+      series.extend(msg.chart.t, chartColumns(msg.chart));
       drawCharts();
     }
 
-    connect("/ws/dashboard/", (msg) => (msg.type === "history" ? onHistory(msg) : onFrame(msg)));
+    const span = spanControl((seconds) => send({ history_seconds: seconds }));
+    const send = connect(
+      "/ws/dashboard/",
+      (msg) => (msg.type === "history" ? onHistory(msg) : onFrame(msg)),
+      () => (span() !== HISTORY_SECONDS ? { history_seconds: span() } : null),
+    );
   }
 
   // ---- the pod page -----------------------------------------------------------------------
@@ -663,20 +711,24 @@
         setText(fields.hash_alignment, fmt.percent(r.hash_alignment));
         setText(fields.ranks, fmt.int(r.ranks));
       }
-      const { blocks, stored_per_s, removed_per_s, events_per_s } = r || {};
-      history.push(msg.at, { blocks, stored_per_s, removed_per_s, events_per_s });
+      const { blocks, stored_per_s, removed_per_s, events_per_s } = msg.chart;
+      history.extend(msg.chart.t, { blocks, stored_per_s, removed_per_s, events_per_s });
       showLog(msg.log);
       draw();
     }
 
     function onHistory(msg) {
       const { blocks, stored_per_s, removed_per_s, events_per_s } = msg;
-      history.reset(msg.t, { blocks, stored_per_s, removed_per_s, events_per_s });
+      history.reset(msg.seconds, msg.step, msg.t, { blocks, stored_per_s, removed_per_s, events_per_s });
       showLog(msg.log);
+      draw();
     }
 
-    connect("/ws/dashboard/pods/" + encodeURIComponent(pod) + "/", (msg) =>
-      msg.type === "history" ? onHistory(msg) : onFrame(msg),
+    const span = spanControl((seconds) => send({ history_seconds: seconds }));
+    const send = connect(
+      "/ws/dashboard/pods/" + encodeURIComponent(pod) + "/",
+      (msg) => (msg.type === "history" ? onHistory(msg) : onFrame(msg)),
+      () => (span() !== HISTORY_SECONDS ? { history_seconds: span() } : null),
     );
   }
 

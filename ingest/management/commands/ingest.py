@@ -2,9 +2,9 @@
 
 A thin shell: it wires the receiver, the shard pool and one ``EventApplier`` per worker (all in
 the pure core), and does the housekeeping that needs Django: registering the pods it sees,
-sharing its counters, serving Prometheus metrics, probing the pods' health
-(``scoring.liveness``) and expiring pods long unheard of. SIGTERM/SIGINT drain the queues and
-exit 0.
+sharing its counters, recording the dashboard's history (``ingest.history``), serving Prometheus
+metrics, probing the pods' health (``scoring.liveness``) and expiring pods long unheard of.
+SIGTERM/SIGINT drain the queues and exit 0.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from prometheus_client import CollectorRegistry, start_http_server
 
 from ingest.events import DecodeLimits
+from ingest.history import HistoryRecorder, blocks_by_pod
 from ingest.pipeline import IngestPipeline
 from ingest.replay import ReplayClient
 from ingest.stats import IngestStats, IngestStatsCollector
@@ -32,7 +33,13 @@ from scoring.index.base import IndexUnavailable
 from scoring.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
 from scoring.runtime import connect_index, get_index, service_config, set_index
 from scoring.services import expire_pods, record_pods_seen, set_pod_health
-from scoring.streams import instance_id, publish_snapshot, withdraw_snapshot
+from scoring.streams import (
+    instance_id,
+    publish_snapshot,
+    read_scoring,
+    read_snapshots,
+    withdraw_snapshot,
+)
 
 log = logging.getLogger("ingest")
 
@@ -158,10 +165,11 @@ def wait_for_index(index, *, timeout: float) -> None:
 
 
 class Housekeeping:
-    """Once a second: register pods seen since last time and publish the counters (into Redis,
-    and to the channel-layer group ``KVCACHE_STATS_GROUP`` for the dashboards watching live); once
-    a minute: expire pods not heard from for ``KVCACHE_POD_EXPIRE_DAYS``. Runs ``prober`` (if any)
-    from construction until ``close``."""
+    """Once a second: register pods seen since last time, publish the counters (into Redis,
+    and to the channel-layer group ``KVCACHE_STATS_GROUP`` for the dashboards watching live) and
+    record the dashboard's history into Redis (``ingest.history``); once a minute: expire pods not
+    heard from for ``KVCACHE_POD_EXPIRE_DAYS``. Runs ``prober`` (if any) from construction until
+    ``close``."""
 
     def __init__(self, stats: IngestStats, *, prober: LivenessProber | None = None) -> None:
         self.stats = stats
@@ -173,6 +181,7 @@ class Housekeeping:
             redis.Redis.from_url(settings.REDIS_URL) if settings.KVCACHE_INDEX_BACKEND == "redis" else None
         )
         self._channel_layer = get_channel_layer()
+        self._history = HistoryRecorder()
         if prober is not None:
             prober.start()
 
@@ -198,6 +207,24 @@ class Housekeeping:
                 )
             except Exception as e:  # the layer's backend errors (Redis, OS, its own) are not one type
                 log.warning("could not send ingest stats to the channel layer: %s", e)
+        if self._redis is not None:  # after the live numbers went out: they are not kept waiting
+            try:
+                self._record_history()
+            except redis.RedisError as e:
+                log.warning("could not record the dashboard history: %s", e)
+
+    def _record_history(self) -> None:
+        try:
+            blocks = blocks_by_pod(get_index().pod_blocks())
+        except IndexUnavailable:
+            blocks = None
+        self._history.record(
+            self._redis,
+            now=time.time(),
+            snapshots=read_snapshots(self._redis),
+            blocks=blocks,
+            scoring=read_scoring(self._redis),
+        )
 
     def _register_pods(self) -> None:
         seen = {}
