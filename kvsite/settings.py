@@ -36,7 +36,7 @@
 | KVCACHE_TEMPLATE_PROCESSES | 1 | sandbox processes per web worker for request templates |
 | KVCACHE_STATS_GROUP | kvcache-ingest-stats | channel-layer group ingest sends its stats to each second |
 | DASHBOARD_PUSH_SECONDS | 1.0 | how often an open dashboard gets fresh numbers over its websocket |
-| DASHBOARD_HISTORY_SECONDS | 600 | the span the dashboard charts open with (ingest records the history in Redis, up to 24 h) |
+| DASHBOARD_HISTORY_SECONDS | 600 | the span the charts open with (ingest keeps the history in Redis: 24 h) |
 | DASHBOARD_STALE_SECONDS | 60 | a pod with no event for this long is no longer active: idle or stale |
 | KVCACHE_POD_DOWN_SECONDS | 10 | a pod whose /health fails this long is down: out of scores (0: no probing) |
 | KVCACHE_POD_FORGET_SECONDS | 300 | a pod down this long more has its blocks cleared (0: never) |
