@@ -29,7 +29,7 @@ class Command(BaseCommand):
         add_server_arguments(parser, port=8000)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        run_server(self, APPLICATION, ws="websockets", **options)
+        run_server(self, APPLICATION, ws="websockets-sansio", **options)
 
 
 def add_server_arguments(parser: CommandParser, *, port: int) -> None:
