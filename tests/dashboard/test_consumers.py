@@ -14,13 +14,12 @@ from dashboard import sampler as sampler_module
 from dashboard.sampler import FleetSampler
 from ingest.events import BlockRemoved
 from ingest.management.commands.ingest import Housekeeping
-from scoring.config import ServiceConfig
 from scoring.index import open_index
 from scoring.models import Pod
 from scoring.runtime import set_index
 from tests.dashboard.conftest import communicator, receive_until, session_cookie, unreachable_url
 from tests.events import stored_event
-from tests.ingest.conftest import MODEL, Harness
+from tests.ingest.conftest import MODEL, ingest_housekeeping
 
 ROW_FIELDS = {
     "pod",
@@ -159,17 +158,10 @@ def pipeline(settings, redis_url):
     command's housekeeping for it (registry, Redis snapshot, channel-layer group)."""
     settings.REDIS_URL = redis_url
     settings.KVCACHE_INDEX_BACKEND = "redis"
-    index = open_index(redis_url)
-    set_index(index)
-    harness = Harness(index, ServiceConfig(seed="42", default_block_size=16))
     # Only the group may bring snapshots here: Redis (the fallback) is never read.
     sampler_module._sampler = FleetSampler(min_interval=0.05, stale_after=60, group_silence=float("inf"))
-    housekeeping = Housekeeping(harness.stats)
-    yield harness, housekeeping
-    housekeeping.close()
-    harness.close()
-    set_index(None)
-    index.close()
+    with ingest_housekeeping(redis_url) as running:
+        yield running
 
 
 def test_frames_follow_events_through_a_real_pipeline(staff_user, pipeline, base_capture):

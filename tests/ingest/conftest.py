@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -9,9 +10,11 @@ import pytest
 import zmq
 
 from ingest.events import DEFAULT_LIMITS, DecodeLimits, encode_batch, encode_message
+from ingest.management.commands.ingest import Housekeeping
 from ingest.pipeline import IngestPipeline
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex, open_index
+from scoring.runtime import set_index
 from tests.servers import wait_until
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -134,3 +137,20 @@ def harness(index: KVIndex) -> Iterator[Harness]:
     h = Harness(index, ServiceConfig(seed="42", default_block_size=16))
     yield h
     h.close()
+
+
+@contextlib.contextmanager
+def ingest_housekeeping(redis_url: str) -> Iterator[tuple[Harness, Housekeeping]]:
+    """A real ingest pipeline writing to the Redis index at ``redis_url`` (the process's index
+    while it runs), with the ``ingest`` command's housekeeping for it."""
+    index = open_index(redis_url)
+    set_index(index)
+    harness = Harness(index, ServiceConfig(seed="42", default_block_size=16))
+    housekeeping = Housekeeping(harness.stats)
+    try:
+        yield harness, housekeeping
+    finally:
+        housekeeping.close()
+        harness.close()
+        set_index(None)
+        index.close()

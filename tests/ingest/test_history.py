@@ -13,12 +13,9 @@ import redis
 
 from ingest.history import HistoryRecorder
 from ingest.management.commands.ingest import Housekeeping
-from scoring.config import ServiceConfig
-from scoring.index import open_index
-from scoring.runtime import set_index
 from scoring.streams import HISTORY_LEVELS, HistoryLevel, read_history, record_point
 from tests.events import stored_event
-from tests.ingest.conftest import Harness
+from tests.ingest.conftest import Harness, ingest_housekeeping
 
 SECOND = HistoryLevel(step=1, length=600)
 
@@ -163,15 +160,8 @@ def pipeline(settings, redis_url) -> Iterator[tuple[Harness, Housekeeping]]:
     settings.REDIS_URL = redis_url
     settings.KVCACHE_INDEX_BACKEND = "redis"
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    index = open_index(redis_url)
-    set_index(index)
-    harness = Harness(index, ServiceConfig(seed="42", default_block_size=16))
-    housekeeping = Housekeeping(harness.stats)
-    yield harness, housekeeping
-    housekeeping.close()
-    harness.close()
-    set_index(None)
-    index.close()
+    with ingest_housekeeping(redis_url) as running:
+        yield running
 
 
 @pytest.mark.django_db(transaction=True)
