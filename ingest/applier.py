@@ -3,11 +3,28 @@ beyond the index calls it stages.
 
 Keying rule (vllm-kv-events.md section 3): a stored block is keyed by the block key we compute
 from its ``token_ids``, chained from its parent's digest (found through the pod's engine-hash ->
-digest map), with the block's extra keys (the LoRA name first). Engine hashes are only handles:
-for ``BlockRemoved`` and for finding a parent. The chain is never restarted from the root when
-the parent is unknown (that yields keys no prompt can match): if the pod's engine hashes have
-been equal to our keys (its seed and algorithm are ours), its engine hashes are adopted as keys;
-otherwise the blocks are skipped and counted as orphaned.
+digest map), with the block's extra keys as the event sends them (the LoRA name, multimodal
+``(identifier, offset)`` pairs, the cache salt) and, with lookahead hashing, the tokens after it
+(``scoring.keys.block_chain``, which the read path keys requests with too). Engine hashes are only
+handles: for ``BlockRemoved`` and for finding a parent. The chain is never restarted from the root
+when the parent is unknown (that yields keys no prompt can match): if the pod's engine hashes have
+been equal to our keys (its seed and algorithm are ours), its engine hashes are adopted as keys,
+up to its first block with extra keys; otherwise the blocks are skipped and counted as orphaned.
+
+Hash alignment (does the engine hash as we do?) judges only blocks that can tell: a block whose
+engine hash equals its key counts as aligned; one that differs counts as misaligned only when
+neither it nor any block before it in its chain had extra keys, because vLLM >= 0.33 hashes
+extras tagged (``("lora", name, path)``, ...), so such blocks never equal our keys whatever the
+seed. Blocks an engine reports again (``kv_cache_report_mode="full"`` re-announces every prefix
+hit from block 0 with no parent) are stored again, which refreshes them, and are neither counted
+as stored nor judged a second time.
+
+An engine whose blocks are not the model's block size (SGLang reports each page of its radix
+cache, 1 token by default) is re-chunked: its token ids are cut into the model's blocks along its
+chain, so a page of 1 token or of 64 gives the keys vLLM's 16-token blocks give over the same
+tokens; a trailing partial block is not indexed. A model block is removed with the engine block
+that completed it; when one engine block completes several model blocks, the others get derived
+engine hashes (``sub_block_hash``) that its ``BlockRemoved`` removes too.
 
 Batches are *staged* (turned into ``IndexUpdate`` values, counters bumped) and then *flushed*
 together: one index round trip for everything a worker found queued.
@@ -16,20 +33,38 @@ together: one index round trip for everything a worker found queued.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import NamedTuple
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from ingest.stats import IngestStats, StreamStats
 from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
 from scoring.index import KVIndex, StoredBlock
 from scoring.index.base import ClearPod, IndexUpdate, Progress, Remove, Store
-from scoring.keys import DIGEST_SIZE, Digest, block_digest, chain_digests, extra_keys, key_of, root_digest
+from scoring.keys import (
+    DIGEST_SIZE,
+    Digest,
+    ExtraKeys,
+    block_chain,
+    chain_digests,
+    extra_keys,
+    key_of,
+    keyed_extra,
+    root_digest,
+)
 
 PARENT_CACHE_SIZE = 8192
 """Engine hash -> digest entries kept per pod, so a parent is usually found without a round trip."""
+
+PAGE_CACHE_SIZE = 32768
+"""Engine blocks kept per re-chunked pod (SGLang: a page, often of 1 token) with the model block
+their chain is in: a chain continues from a page that ends inside a model block only while it is
+remembered here (the index knows only pages that complete a model block)."""
 
 SLICE_BLOCKS = 2048
 """Blocks a worker keys and writes at a time (keying ~4 ms, writing ~10 ms on Valkey): a larger
@@ -79,6 +114,9 @@ def _cut(event: Event, max_blocks: int) -> list[Event]:
                 if last
                 else event.token_ids[i * size : (i + max_blocks) * size],
                 extra_keys=None if event.extra_keys is None else event.extra_keys[i : i + max_blocks],
+                lookahead_token_ids=None
+                if event.lookahead_token_ids is None
+                else event.lookahead_token_ids[i : i + max_blocks],
             )
         )
     return pieces
@@ -90,12 +128,44 @@ def holder_id(pod: str, rank: int | None) -> str:
     return pod if not rank else f"{pod}{DP_RANK_SEPARATOR}{rank}"
 
 
+def sub_block_hash(engine_hash: int, i: int) -> int:
+    """The engine hash we give the model block ``i`` places before the last one an engine block
+    completed (``i >= 1``; the last one keeps ``engine_hash``): a re-chunked engine block of 64
+    tokens holds four 16-token blocks, and the index maps one engine hash to one block."""
+    data = engine_hash.to_bytes(8, "big") + i.to_bytes(4, "big")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+@lru_cache(maxsize=64)
+def _one_tier(tier: str) -> frozenset[str]:
+    return frozenset((tier,))
+
+
+class _Known(NamedTuple):
+    """A block the applier saw a pod store, under its engine hash."""
+
+    digest: Digest
+    tiers: frozenset[str]  # the tiers it was stored on since
+    comparable: bool  # its chain had no extra keys up to it, or its engine hash equalled its key
+
+
+class _Page(NamedTuple):
+    """Where a re-chunked engine block ends: the digest of the last model block its chain
+    completed (the root when none) and the tokens after that block (fewer than a model block)."""
+
+    digest: Digest
+    tail: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class _PodState:
     """What the applier remembers per engine between events."""
 
-    parents: OrderedDict  # engine hash -> digest, most recent last
-    aligned: bool | None = None  # did the last computed block's engine hash equal our key?
+    parents: OrderedDict  # engine hash -> _Known, most recent last
+    block_size: int = 0  # the model's block size this state was built with
+    aligned: bool | None = None  # did the last judged block's engine hash equal our key?
+    pages: OrderedDict = field(default_factory=OrderedDict)  # re-chunked: engine hash -> _Page
+    sub_blocks: int = 1  # the most model blocks one engine block of this pod completed
 
 
 class EventApplier:
@@ -202,9 +272,11 @@ class EventApplier:
             stream.ignored_batches += 1
             self._clear_disabled(pod)
             return
+        block_size = config.model(model).block_size
         state = self._pods.get((holder, model))
-        if state is None:
-            state = self._pods[(holder, model)] = _PodState(parents=OrderedDict())
+        if state is None or state.block_size != block_size:
+            # Digests and re-chunked pages were cut at the model's block size: a new one starts over.
+            state = self._pods[(holder, model)] = _PodState(parents=OrderedDict(), block_size=block_size)
         cleared = False  # was the event before an AllBlocksCleared?
         for event in events:
             stream.events += 1
@@ -213,11 +285,11 @@ class EventApplier:
                     event, model=model, holder=holder, state=state, stream=stream, config=config
                 )
             elif isinstance(event, BlockRemoved):
-                for h in event.block_hashes:
-                    state.parents.pop(h, None)
-                self._pend(Remove(model, holder, event.tier, event.block_hashes), stream, "blocks_removed")
+                hashes = _forget(state, event)
+                self._pend(Remove(model, holder, event.tier, hashes), stream, "blocks_removed")
             elif isinstance(event, AllBlocksCleared):
                 state.parents.clear()
+                state.pages.clear()
                 stream.clears += 1
                 if not cleared:  # a repeat clears nothing more
                     yield from self._clear_index_steps(model, holder)
@@ -281,22 +353,57 @@ class EventApplier:
     ) -> None:
         if not event.block_hashes:
             return
+        judged: list[bool] | None = None  # per block: may a differing engine hash count as misaligned?
         if not event.token_ids:
             blocks = self._hash_only_blocks(event, model=model, holder=holder, state=state, stream=stream)
+        elif event.block_size and event.block_size != config.model(model).block_size:
+            blocks = self._rechunked_blocks(
+                event, model=model, holder=holder, state=state, stream=stream, config=config
+            )
+            judged = [False] * len(blocks)
         else:
-            blocks = self._computed_blocks(
+            blocks, judged = self._computed_blocks(
                 event, model=model, holder=holder, state=state, stream=stream, config=config
             )
         if not blocks:
             return
-        self._pend(Store(model, holder, event.tier, blocks), stream, "blocks_stored")
-        stream.resyncing = False  # it stores again: what it holds from now on is known
+        tier = event.tier
         parents = state.parents
-        for b in blocks:
-            parents[b.engine_hash] = b.digest
-            parents.move_to_end(b.engine_hash)
+        fresh: list[StoredBlock] = []
+        repeated: list[StoredBlock] = []
+        aligned = misaligned = 0
+        last_judged: bool | None = None
+        for i, b in enumerate(blocks):
+            h = b.engine_hash
+            known = parents.get(h)
+            if known is not None and known.digest == b.digest:
+                if tier in known.tiers:
+                    repeated.append(b)  # reported again (report mode "full", a resend): refresh only
+                else:
+                    parents[h] = known._replace(tiers=known.tiers | {tier})
+                    fresh.append(b)
+                parents.move_to_end(h)
+                continue
+            matched = b.key == h
+            if judged is not None and (matched or judged[i]):
+                last_judged = matched
+                aligned += matched
+                misaligned += not matched
+            parents[h] = _Known(b.digest, _one_tier(tier), matched or (judged is not None and judged[i]))
+            if known is not None:
+                parents.move_to_end(h)  # a new key is appended last already
+            fresh.append(b)
         while len(parents) > PARENT_CACHE_SIZE:
             parents.popitem(last=False)
+        stream.aligned_blocks += aligned
+        stream.misaligned_blocks += misaligned
+        if last_judged is not None:
+            state.aligned = last_judged
+        if repeated:
+            self._pend(Store(model, holder, tier, repeated), stream, "")
+        if fresh:
+            self._pend(Store(model, holder, tier, fresh), stream, "blocks_stored")
+        stream.resyncing = False  # it stores again: what it holds from now on is known
 
     def _hash_only_blocks(
         self, event: BlockStored, *, model: str, holder: str, state: _PodState, stream: StreamStats
@@ -316,45 +423,136 @@ class EventApplier:
         state: _PodState,
         stream: StreamStats,
         config: ServiceConfig,
-    ) -> list[StoredBlock]:
+    ) -> tuple[list[StoredBlock], list[bool] | None]:
+        """The event's blocks keyed from their token ids, and per block whether its engine hash
+        can be judged against its key (``None``: none can)."""
         hashes = event.block_hashes
+        n = len(hashes)
         block_size = event.block_size or config.model(model).block_size
         tokens = event.token_ids
-        if block_size <= 0 or len(tokens) < len(hashes) * block_size:
+        if block_size <= 0 or len(tokens) < n * block_size:
             stream.decode_errors["token_count"] += 1
-            return []
-        if event.parent_block_hash is None:
-            parent: Digest | None = root_digest(config.seed)
-        else:
-            parent = self._resolve([event.parent_block_hash], model=model, holder=holder, state=state)[0]
+            return [], None
+        # vLLM >= 0.11 sends each block's extra keys; older engines only send lora_name.
+        sent: Sequence[ExtraKeys] = (
+            event.extra_keys if event.extra_keys is not None else (extra_keys(lora_name=event.lora_name),) * n
+        )
+        parent, comparable = self._parent(
+            event.parent_block_hash, seed=config.seed, model=model, holder=holder, state=state
+        )
         if parent is None or len(parent) != DIGEST_SIZE:
             # Parent unknown (or adopted, so its digest is unknown): the chain cannot continue.
+            # An aligned pod's engine hashes are its keys, up to its first block with extras.
+            adopted: list[StoredBlock] = []
             if state.aligned:
-                return [StoredBlock(h, h, h.to_bytes(8, "big")) for h in hashes]
-            stream.orphaned_blocks += len(hashes)
-            return []
-        # vLLM >= 0.11 sends each block's extra keys (LoRA name first, multimodal ids, cache
-        # salt) and they are hashed as sent; older engines only send lora_name.
-        n = len(hashes)
-        per_block = event.extra_keys
-        if per_block is None:
-            digests = chain_digests(
-                tokens[: n * block_size],
-                block_size=block_size,
-                parent=parent,
-                extra=extra_keys(lora_name=event.lora_name),
-            )
-        else:
-            digests = []
-            for i in range(n):
-                parent = block_digest(parent, tokens[i * block_size : (i + 1) * block_size], per_block[i])
-                digests.append(parent)
+                for h, extra in zip(hashes, sent, strict=True):
+                    if extra is not None:
+                        break
+                    adopted.append(StoredBlock(h, h, h.to_bytes(8, "big")))
+            stream.orphaned_blocks += n - len(adopted)
+            return adopted, None
+        lookahead = event.lookahead_token_ids
+        extras = (
+            sent if lookahead is None else [keyed_extra(e, t) for e, t in zip(sent, lookahead, strict=True)]
+        )
+        digests = block_chain(tokens, block_size=block_size, parent=parent, extras=extras)
         blocks = [StoredBlock(key_of(d), h, d) for d, h in zip(digests, hashes, strict=True)]
-        aligned = sum(b.key == b.engine_hash for b in blocks)
-        stream.aligned_blocks += aligned
-        stream.misaligned_blocks += len(hashes) - aligned
-        state.aligned = blocks[-1].key == blocks[-1].engine_hash
+        judged: list[bool] = []
+        for b, extra in zip(blocks, sent, strict=True):
+            comparable = (comparable and extra is None) or b.key == b.engine_hash
+            judged.append(comparable)
+        return blocks, judged
+
+    def _rechunked_blocks(
+        self,
+        event: BlockStored,
+        *,
+        model: str,
+        holder: str,
+        state: _PodState,
+        stream: StreamStats,
+        config: ServiceConfig,
+    ) -> list[StoredBlock]:
+        """The model blocks an engine block of another size completes along its chain (module
+        docstring). Extra keys other than the LoRA name and lookahead hashing cannot be cut
+        across block sizes: such events are counted (``decode_errors["rechunk_extras"]``) and
+        their blocks orphaned."""
+        hashes, tokens = event.block_hashes, event.token_ids
+        size, page = config.model(model).block_size, event.block_size
+        n = len(hashes)
+        if size <= 0 or len(tokens) < n * page:
+            stream.decode_errors["token_count"] += 1
+            return []
+        extra = extra_keys(lora_name=event.lora_name)
+        if event.lookahead_token_ids is not None or (
+            event.extra_keys is not None and any(e != extra for e in event.extra_keys)
+        ):
+            stream.decode_errors["rechunk_extras"] += 1
+            stream.orphaned_blocks += n
+            return []
+        start = self._page(
+            event.parent_block_hash, size, page, seed=config.seed, model=model, holder=holder, state=state
+        )
+        if start is None:
+            stream.orphaned_blocks += n
+            return []
+        digest, tail = start
+        pages = state.pages
+        blocks: list[StoredBlock] = []
+        for i, h in enumerate(hashes):
+            pending = tail + tuple(tokens[i * page : (i + 1) * page])
+            full = len(pending) // size
+            if full:
+                digests = chain_digests(pending[: full * size], block_size=size, parent=digest, extra=extra)
+                for j, d in enumerate(digests):
+                    engine_hash = h if j == full - 1 else sub_block_hash(h, full - 1 - j)
+                    blocks.append(StoredBlock(key_of(d), engine_hash, d))
+                digest = digests[-1]
+                state.sub_blocks = max(state.sub_blocks, full)
+            tail = pending[full * size :]
+            pages[h] = _Page(digest, tail)
+            pages.move_to_end(h)
+        while len(pages) > PAGE_CACHE_SIZE:
+            pages.popitem(last=False)
         return blocks
+
+    def _parent(
+        self, engine_hash: int | None, *, seed: str, model: str, holder: str, state: _PodState
+    ) -> tuple[Digest | None, bool]:
+        """The digest a parent engine hash stands for (the root for none; ``None``: unknown),
+        and whether blocks chained from it may be judged for alignment: a parent learned from
+        the index only when its own engine hash was its key."""
+        if engine_hash is None:
+            return root_digest(seed), True
+        known = state.parents.get(engine_hash)
+        if known is not None:
+            return known.digest, known.comparable
+        digest = self._resolve([engine_hash], model=model, holder=holder, state=state)[0]
+        return digest, digest is not None and key_of(digest) == engine_hash
+
+    def _page(
+        self,
+        engine_hash: int | None,
+        size: int,
+        page: int,
+        *,
+        seed: str,
+        model: str,
+        holder: str,
+        state: _PodState,
+    ) -> _Page | None:
+        """Where a re-chunked chain goes on from (``None``: unknown). A page the applier forgot
+        is found in the index when it completed a model block, which ends on a block boundary
+        (so leaves no tail) when one size divides the other."""
+        if engine_hash is None:
+            return _Page(root_digest(seed), ())
+        found = state.pages.get(engine_hash)
+        if found is not None:
+            return found
+        if size % page and page % size:
+            return None
+        digest = self._resolve([engine_hash], model=model, holder=holder, state=state)[0]
+        return _Page(digest, ()) if digest is not None and len(digest) == DIGEST_SIZE else None
 
     def _resolve(
         self, engine_hashes: Sequence[int], *, model: str, holder: str, state: _PodState
@@ -362,7 +560,7 @@ class EventApplier:
         """Digests of engine hashes: from this pod's recent blocks, else from the index (after
         flushing, so that what was staged is visible)."""
         parents = state.parents
-        found = [parents.get(h) for h in engine_hashes]
+        found = [None if (k := parents.get(h)) is None else k.digest for h in engine_hashes]
         missing = [h for h, d in zip(engine_hashes, found, strict=True) if d is None]
         if missing:
             self.flush()
@@ -371,3 +569,24 @@ class EventApplier:
             )
             found = [d if d is not None else resolved[h] for h, d in zip(engine_hashes, found, strict=True)]
         return found
+
+
+def _forget(state: _PodState, event: BlockRemoved) -> Sequence[int]:
+    """Drop what ``event`` removes from what the applier remembers of the pod; returns the engine
+    hashes the index must remove: those sent and, for a re-chunked pod whose engine blocks
+    complete several model blocks, their ``sub_block_hash`` too."""
+    hashes: Sequence[int] = event.block_hashes
+    if state.sub_blocks > 1:
+        hashes = [*hashes, *(sub_block_hash(h, i) for h in hashes for i in range(1, state.sub_blocks))]
+    parents, pages, tier = state.parents, state.pages, event.tier
+    for h in hashes:
+        known = parents.get(h)
+        if known is not None:
+            tiers = known.tiers - {tier}
+            if tiers:
+                parents[h] = known._replace(tiers=tiers)  # another tier still holds it
+            else:
+                del parents[h]
+        if pages:
+            pages.pop(h, None)
+    return hashes

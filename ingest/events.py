@@ -7,9 +7,15 @@ and 2, checked against vLLM's own source:
   longer tolerated) and ``payload`` (msgpack);
 * the payload is an ``EventBatch``, an array ``[ts, events, data_parallel_rank]`` (two elements
   in the oldest vLLM) or a map with those keys;
-* each event is a positional array whose element 0 is the tag (vLLM <= 0.23) or a map with a
-  ``"type"`` key (vLLM >= 0.24). Missing trailing fields are nil; unknown trailing elements and
-  unknown map keys are ignored.
+* each event is a positional array whose element 0 is the tag (vLLM <= 0.23, and SGLang) or a
+  map with a ``"type"`` key (vLLM >= 0.24). Missing trailing fields are nil, and so are fields a
+  map leaves out (vLLM 0.33 omits every None field that has a default); unknown trailing elements
+  and unknown map keys are ignored, never an error.
+
+SGLang publishes through a port of vLLM's publisher with the oldest shape: batches ``[ts, events]``
+(``[ts, events, attn_dp_rank]`` in later versions), ``BlockStored`` as ``[tag, block_hashes,
+parent_block_hash, token_ids, block_size, lora_id]`` (``medium`` appended later), one event per
+page, its page size as ``block_size`` (1 by default), and signed int64 hashes.
 
 Errors are values: a payload that cannot be read raises :class:`DecodeError`; one bad event in an
 otherwise good batch is skipped and reported in ``EventBatch.errors`` so that the rest of the
@@ -133,6 +139,12 @@ class BlockStored:
     ``extra_keys`` falls back to ``(lora_name,)`` per block, or ``None`` without an adapter.
 
     ``group_idx`` is the KV-cache group of hybrid models (``None`` when not sent).
+
+    vLLM 0.33 added ``lookahead_token_ids``: with lookahead hashing, the tokens after each block
+    that its hash also covers, one tuple per block (``None`` when lookahead hashing is off); a
+    block is keyed with them (``scoring.keys.keyed_extra``). ``locality`` ("LOCAL" / "REMOTE"
+    tier), ``ownership`` (the secondary tier that stored it) and ``session_id`` (the request
+    context that reported it) are kept as sent: they do not change what a block is.
     """
 
     block_hashes: tuple[int, ...]
@@ -144,15 +156,22 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[ExtraKeys, ...] | None = None
     group_idx: int | None = None
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """An engine evicted blocks from ``tier`` (vLLM sends one hash per event)."""
+    """An engine evicted blocks from ``tier`` (vLLM sends one hash per event); ``locality`` and
+    ``ownership`` as in :class:`BlockStored`."""
 
     block_hashes: tuple[int, ...]
     tier: str = DEFAULT_TIER
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,10 +266,10 @@ def encode_message(pod: str, model: str, seq: int, payload: bytes, prefix: str =
 
 _unpackb = msgpack.unpackb
 _INT_ONLY: Final = frozenset((int,))
-# Short arrays are padded to this many elements (tag + BlockStored's fields up to group_idx),
-# so that a missing trailing field reads as nil.
-_STORED_ARRAY_WIDTH: Final = 10
-_REMOVED_ARRAY_WIDTH: Final = 4
+# Short arrays are padded to this many elements (the tag and every declared field, in vLLM's
+# declaration order), so that a missing trailing field reads as nil.
+_STORED_ARRAY_WIDTH: Final = 16
+_REMOVED_ARRAY_WIDTH: Final = 6
 _NILS: Final = (None,) * _STORED_ARRAY_WIDTH
 # The media the spec lists, in both cases, so that the common case is one dict look-up.
 _TIERS: Final[dict[Any, str]] = {
@@ -316,6 +335,34 @@ def _optional_int(value: object, name: str) -> int | None:
     raise _field(name, "a non-negative int or nil", value)
 
 
+def _label(value: object) -> str | None:
+    """``locality``, ``ownership``, ``session_id``: kept when a string, else dropped. They do not
+    change what a block is, so a producer that sends another type loses them, not the event."""
+    if type(value) is str:
+        return value
+    if type(value) is bytes:
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def _lookahead(value: object, n: int) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    if type(value) is not tuple or len(value) != n:
+        raise DecodeError("field", f"lookahead_token_ids must be an array of {n} token arrays")
+    for tokens in value:
+        if type(tokens) is not tuple:
+            raise _field("lookahead_token_ids entry", "an array of ints", tokens)
+        try:
+            array("Q", tokens)
+        except (TypeError, OverflowError):
+            raise DecodeError("field", "lookahead_token_ids must be unsigned ints") from None
+    return value  # type: ignore[return-value]
+
+
 def _stored(
     hashes: Any,
     parent: Any,
@@ -326,6 +373,10 @@ def _stored(
     lora_name: Any,
     extra: Any,
     group_idx: Any,
+    lookahead: Any = None,
+    locality: Any = None,
+    ownership: Any = None,
+    session_id: Any = None,
 ) -> BlockStored:
     hashes = _block_hashes(hashes)
     if type(tokens) is tuple:
@@ -364,11 +415,23 @@ def _stored(
         lora_name or None,
         extra,
         _optional_int(group_idx, "group_idx"),
+        _lookahead(lookahead, len(hashes)),
+        _label(locality),
+        _label(ownership),
+        _label(session_id),
     )
 
 
-def _removed(hashes: Any, medium: Any, group_idx: Any) -> BlockRemoved:
-    return BlockRemoved(_block_hashes(hashes), _tier(medium), _optional_int(group_idx, "group_idx"))
+def _removed(
+    hashes: Any, medium: Any, group_idx: Any, locality: Any = None, ownership: Any = None
+) -> BlockRemoved:
+    return BlockRemoved(
+        _block_hashes(hashes),
+        _tier(medium),
+        _optional_int(group_idx, "group_idx"),
+        _label(locality),
+        _label(ownership),
+    )
 
 
 _CLEARED: Final = AllBlocksCleared()
@@ -377,13 +440,14 @@ _CLEARED: Final = AllBlocksCleared()
 def _stored_from_array(ev: tuple) -> BlockStored:
     if len(ev) < _STORED_ARRAY_WIDTH:
         ev += _NILS[: _STORED_ARRAY_WIDTH - len(ev)]
-    return _stored(*ev[1:_STORED_ARRAY_WIDTH])
+    # [10] and [11] are kv_cache_spec_kind and kv_cache_spec_sliding_window (hybrid models).
+    return _stored(*ev[1:10], ev[15], ev[12], ev[13], ev[14])
 
 
 def _removed_from_array(ev: tuple) -> BlockRemoved:
     if len(ev) < _REMOVED_ARRAY_WIDTH:
         ev += _NILS[: _REMOVED_ARRAY_WIDTH - len(ev)]
-    return _removed(ev[1], ev[2], ev[3])
+    return _removed(ev[1], ev[2], ev[3], ev[4], ev[5])
 
 
 def _stored_from_map(ev: dict) -> BlockStored:
@@ -398,11 +462,16 @@ def _stored_from_map(ev: dict) -> BlockStored:
         get("lora_name"),
         get("extra_keys"),
         get("group_idx"),
+        get("lookahead_token_ids"),
+        get("locality"),
+        get("ownership"),
+        get("session_id"),
     )
 
 
 def _removed_from_map(ev: dict) -> BlockRemoved:
-    return _removed(ev.get("block_hashes"), ev.get("medium"), ev.get("group_idx"))
+    get = ev.get
+    return _removed(get("block_hashes"), get("medium"), get("group_idx"), get("locality"), get("ownership"))
 
 
 _FROM_ARRAY: Final = {
@@ -524,10 +593,16 @@ _STORED_FIELDS: Final = (
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
 )
-_REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx")
+_REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 # How many of those fields each schema declares (BlockStored, BlockRemoved), and whether its
-# EventBatch has data_parallel_rank. "oldest" and "0.11" are the spec's byte vectors.
+# EventBatch has data_parallel_rank. "oldest" and "0.11" are the spec's byte vectors; "oldest" is
+# also SGLang's shape, and "0.11" later SGLang's (medium appended, the batch's third element is
+# its attention data-parallel rank).
 _SCHEMAS: Final[dict[str, tuple[int, int, bool]]] = {
     "oldest": (5, 1, False),
     "0.11": (6, 2, True),
@@ -536,7 +611,17 @@ _SCHEMAS: Final[dict[str, tuple[int, int, bool]]] = {
 # Fields with a default in vLLM's msgspec structs. vLLM encodes with omit_defaults, which drops
 # them from maps when nil; msgspec never omits anything from array_like structs.
 _DEFAULTED: Final = frozenset(
-    ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "data_parallel_rank")
+    (
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+        "data_parallel_rank",
+    )
 )
 
 
@@ -565,7 +650,8 @@ def encode_batch(
     ``layout`` is the events' layout: positional arrays with every declared field, trailing nils
     included (vLLM <= 0.23), or maps without nil defaulted fields (vLLM >= 0.24). The batch itself
     is an array unless ``batch_layout="map"``. ``schema`` picks the declared fields: ``"oldest"``
-    (no medium, no data_parallel_rank), ``"0.11"`` (up to medium) or ``"latest"``. Hashes are
+    (no medium, no data_parallel_rank: SGLang's shape too), ``"0.11"`` (up to medium: later
+    SGLang's) or ``"latest"`` (vLLM 0.33's, up to ``lookahead_token_ids``). Hashes are
     uint64 ints, or 8-byte big-endian bytes with ``hash_bytes``; ``tier`` is sent upper-case as
     vLLM's ``medium``. ``decode_batch`` inverts it for the fields the schema carries.
     """
@@ -591,10 +677,15 @@ def encode_batch(
                 ev.group_idx,
                 None,
                 None,
+                ev.locality,
+                ev.ownership,
+                ev.session_id,
+                ev.lookahead_token_ids,
             )
             events.append(_pack_struct("BlockStored", _STORED_FIELDS[:n_stored], values[:n_stored], layout))
         elif type(ev) is BlockRemoved:
-            values = ([h(x) for x in ev.block_hashes], ev.tier.upper(), ev.group_idx)
+            hashes = [h(x) for x in ev.block_hashes]
+            values = (hashes, ev.tier.upper(), ev.group_idx, ev.locality, ev.ownership)
             events.append(
                 _pack_struct("BlockRemoved", _REMOVED_FIELDS[:n_removed], values[:n_removed], layout)
             )

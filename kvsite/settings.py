@@ -10,7 +10,7 @@
 | SECRET_KEY | generated into var/secret_key | Django's signing key |
 | DEBUG | false | Django debug mode |
 | ALLOWED_HOSTS | localhost,127.0.0.1,[::1] | comma-separated |
-| KVCACHE_HASH_SEED | $PYTHONHASHSEED or "" | the engines' PYTHONHASHSEED (initial HashSeed) |
+| KVCACHE_HASH_SEED | $PYTHONHASHSEED or "vllm-none-hash" | the engines' PYTHONHASHSEED (initial HashSeed) |
 | KVCACHE_BLOCK_SIZE | 16 | tokens per KV block (default for models without a config) |
 | KVCACHE_API_KEYS | "" (open) | comma-separated keys; when set, scoring needs ``Bearer <key>`` auth |
 | KVCACHE_MAX_BODY_BYTES | 4194304 (4 MiB) | largest scoring request body accepted (larger: 413) |
@@ -182,7 +182,9 @@ KVCACHE_INDEX_BACKEND = os.environ.get("KVCACHE_INDEX_BACKEND", "redis")
 # scoring.runtime.connect_index.
 KVCACHE_INDEX_TIMEOUT = float(os.environ.get("KVCACHE_INDEX_TIMEOUT", "1.0"))
 KVCACHE_INGEST_INDEX_TIMEOUT = float(os.environ.get("KVCACHE_INGEST_INDEX_TIMEOUT", "10.0"))
-KVCACHE_HASH_SEED = os.environ.get("KVCACHE_HASH_SEED", os.environ.get("PYTHONHASHSEED", ""))
+# Unset everywhere: what a vLLM >= 0.33 sha256 / sha256_cbor engine without PYTHONHASHSEED hashes
+# with (scoring.keys.DEFAULT_SEED).
+KVCACHE_HASH_SEED = os.environ.get("KVCACHE_HASH_SEED", os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
 KVCACHE_BLOCK_SIZE = int(os.environ.get("KVCACHE_BLOCK_SIZE", "16"))
 
 CHANNEL_LAYERS = {

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from scoring.keys import DEFAULT_SEED
+
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu": 0.8})
 DEFAULT_OTHER_TIER_WEIGHT = 0.5
 
@@ -65,6 +67,11 @@ class ModelSettings:
     max_model_len: int | None = None
     """The model's context length in tokens (vLLM's ``--max-model-len``); ``None``: the tokenizer
     config's ``model_max_length``, if it has one."""
+    hash_lookahead_tokens: int = 0
+    """The engines' lookahead hashing (vLLM's ``num_hash_lookahead_tokens``, set by speculative
+    decoding configs): each block key also covers this many tokens after the block
+    (``scoring.keys.block_keys(lookahead_tokens=...)``). Ingest needs no setting: events carry
+    the tokens (``lookahead_token_ids``)."""
 
     def tier_weight(self, tier: str) -> float:
         return self.tier_weights.get(tier, self.other_tier_weight)
@@ -75,7 +82,9 @@ class ServiceConfig:
     """A consistent snapshot of the registry: the hash seed, per-model settings, disabled and down
     pods, the pods' addresses (``pod -> host:port``, only pods that have one) and the models pods serve."""
 
-    seed: str = ""
+    seed: str = DEFAULT_SEED
+    """The engines' ``PYTHONHASHSEED``; by default the seed of a vLLM >= 0.33 ``sha256`` /
+    ``sha256_cbor`` engine started without one (``scoring.keys.DEFAULT_SEED``)."""
     default_block_size: int = 16
     models: Mapping[str, ModelSettings] = field(default_factory=dict)
     disabled_pods: frozenset[str] = frozenset()

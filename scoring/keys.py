@@ -17,6 +17,18 @@ The chain (vLLM ``v1/core/kv_cache_utils.py``)::
 
 with canonical CBOR. Only full blocks are hashed; a trailing partial block is dropped.
 
+``extra[i]`` is block ``i``'s extra keys exactly as vLLM's KV events send them
+(``BlockStored.extra_keys``): the bare LoRA name, ``(mm_identifier, offset)`` pairs, then the
+``cache_salt`` (block 0 only); ``None`` when there are none. :func:`block_extra_keys` computes them
+for a request, so a prompt is keyed the way the events of its blocks are. With lookahead hashing
+(vLLM ``num_hash_lookahead_tokens``), block ``i`` is keyed with ``(extra[i], *next_tokens)``
+(:func:`keyed_extra`): it matches only when the tokens after it match too.
+
+vLLM >= 0.33 hashes the extras *tagged* (``("lora", name, path)``, ``("mm", id, offset)``,
+``("cache_salt", salt)``), so its engine hashes of such blocks never equal our keys; older engines
+hash them as sent. Either way a block's key depends only on its tokens and its extras as sent, and
+the read path computes the same key from the same request.
+
 Prompts repeat long prefixes (a system prompt, earlier turns), so the read path keys them through
 a :class:`ChainMemo`: a bounded LRU of chain steps that turns the shared blocks into one dictionary
 look-up each instead of an encoding and a SHA-256.
@@ -30,6 +42,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import cbor2
@@ -45,6 +58,12 @@ _KEY_OF_DIGEST = "24xQ"  # a 32-byte digest's block key, as a struct format: its
 DEFAULT_BLOCK_SIZE = 16
 DIGEST_SIZE = 32
 
+DEFAULT_SEED = "vllm-none-hash"
+"""The seed of a vLLM >= 0.33 engine hashing with ``sha256`` or ``sha256_cbor`` and started without
+``PYTHONHASHSEED`` (vLLM's ``DEFAULT_NONE_HASH_SEED``), hence our default: out of the box, such an
+engine's chain root is ``root_digest(DEFAULT_SEED)``. Engines before 0.33, and ``xxhash`` ones, draw a
+random root when ``PYTHONHASHSEED`` is unset: only an explicit seed makes them reproducible."""
+
 
 def key_of(digest: Digest) -> BlockKey:
     """The block key of a digest: its last 8 bytes, big-endian (works for any length >= 8)."""
@@ -54,7 +73,7 @@ def key_of(digest: Digest) -> BlockKey:
 @lru_cache(maxsize=64)
 def root_digest(seed: str) -> Digest:
     """The digest every chain starts from: ``sha256(cbor(seed))``. ``seed`` is the engines'
-    ``PYTHONHASHSEED`` as a string ("" when unset in a deployment configured for it)."""
+    ``PYTHONHASHSEED`` as a string (:data:`DEFAULT_SEED` when it is unset, from vLLM 0.33)."""
     return _sha256(cbor2.dumps(seed, canonical=True)).digest()
 
 
@@ -275,24 +294,194 @@ def block_keys(
     block_size: int = DEFAULT_BLOCK_SIZE,
     parent: Digest | None = None,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm_features: Sequence[MultimodalFeature] = (),
+    lookahead_tokens: int = 0,
     memo: ChainMemo | None = None,
 ) -> list[BlockKey]:
-    """Block keys of ``tokens`` as vLLM ``sha256_cbor`` computes them.
+    """Block keys of ``tokens`` as vLLM ``sha256_cbor`` computes them, with each block's extra keys
+    as vLLM's events send them (:func:`block_extra_keys`), so that they equal the keys ingest
+    computes from those events.
 
     ``parent`` continues an existing chain (its digest); otherwise the chain starts at the root
-    of ``seed``. ``lora_name`` becomes the first extra key of every block. ``memo`` reuses (and
-    keeps) chain steps computed before: the same keys, faster for a repeated prefix.
+    of ``seed``. ``lora_name`` is the first extra key of every block, ``cache_salt`` one of the
+    first block (so it needs a chain from the root: ``ValueError`` with ``parent``), and
+    ``mm_features`` add ``(identifier, offset)`` to the blocks their placeholder tokens overlap
+    (positions count from ``tokens[0]``). ``lookahead_tokens`` (the engines'
+    ``num_hash_lookahead_tokens``) keys every block with the tokens after it too, so only blocks
+    followed by that many tokens are keyed. ``memo`` reuses (and keeps) chain steps computed
+    before: the same keys, faster for a repeated prefix.
     """
+    if cache_salt and parent is not None:
+        raise ValueError("cache_salt keys the first block of a chain: it cannot continue a parent")
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
     start = parent if parent is not None else root_digest(seed)
-    extra = extra_keys(lora_name=lora_name)
     chain = chain_digests if memo is None else memo.chain_digests
-    digests = chain(tokens, block_size=block_size, parent=start, extra=extra)
+    if not cache_salt and not mm_features and not lookahead_tokens:
+        digests = chain(tokens, block_size=block_size, parent=start, extra=extra_keys(lora_name=lora_name))
+    else:
+        n = max(0, (len(tokens) - max(lookahead_tokens, 0)) // block_size)
+        extras = block_extra_keys(
+            n,
+            block_size=block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            lookahead_tokens=lookahead_tokens,
+        )
+        if lookahead_tokens:
+            extras = [
+                keyed_extra(extra, tokens[(i + 1) * block_size : (i + 1) * block_size + lookahead_tokens])
+                for i, extra in enumerate(extras)
+            ]
+        digests = block_chain(tokens, block_size=block_size, parent=start, extras=extras, memo=memo)
     return list(struct.unpack(">" + _KEY_OF_DIGEST * len(digests), b"".join(digests)))
 
 
 def extra_keys(*, lora_name: str | None = None) -> ExtraKeys:
     """The per-block extra keys vLLM hashes: the LoRA name first; ``None`` when there are none."""
     return (lora_name,) if lora_name else None
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalFeature:
+    """One multimodal input of a prompt as vLLM hashes it: ``identifier`` is vLLM's hash of the
+    media (``mm_features[i].identifier``, the engine computes it from the media itself), and its
+    placeholder tokens are ``length`` positions from ``offset`` in the prompt's token ids."""
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if type(self.identifier) is not str or not self.identifier:
+            raise ValueError("a multimodal identifier must be a non-empty string")
+        if type(self.offset) is not int or self.offset < 0:
+            raise ValueError(f"a multimodal offset must be a non-negative int, not {self.offset!r}")
+        if type(self.length) is not int or self.length <= 0:
+            raise ValueError(f"a multimodal length must be a positive int, not {self.length!r}")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def block_extra_keys(
+    num_blocks: int,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm_features: Sequence[MultimodalFeature] = (),
+    lookahead_tokens: int = 0,
+) -> list[ExtraKeys]:
+    """The extra keys of the first ``num_blocks`` blocks of a request, exactly as a vLLM 0.33
+    engine sends them in ``BlockStored.extra_keys`` (``to_event_extra_keys`` of
+    ``generate_block_hash_extra_keys``): per block, the LoRA name, then ``(identifier, offset)``
+    for each multimodal input whose placeholder tokens overlap the block (``offset`` = the input's
+    first position minus the block's: negative once the input started in an earlier block), then
+    ``cache_salt`` in block 0 only; ``None`` for a block with none of them.
+
+    With ``lookahead_tokens`` (L), a block's window for multimodal inputs also covers the L tokens
+    after it, as vLLM's lookahead hashing does. Inputs are taken in order of their offset."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    if lookahead_tokens < 0:
+        raise ValueError("lookahead_tokens must be >= 0")
+    lora = (lora_name,) if lora_name else ()
+    if not mm_features:
+        plain = lora or None
+        if not cache_salt:
+            return [plain] * num_blocks
+        return [(*lora, cache_salt)] + [plain] * (num_blocks - 1) if num_blocks else []
+    features = sorted(mm_features, key=lambda f: f.offset)
+    out: list[ExtraKeys] = []
+    first = 0  # the first input a block can still overlap
+    for i in range(num_blocks):
+        start = i * block_size
+        end = start + block_size
+        media, first = _multimodal_keys(features, start, end + lookahead_tokens, first)
+        if lookahead_tokens:
+            # The next block starts at `end`: it must see again the inputs still open there.
+            while first > 0 and features[first - 1].end > end:
+                first -= 1
+        keys = (*lora, *media, *((cache_salt,) if cache_salt and i == 0 else ()))
+        out.append(keys or None)
+    return out
+
+
+def _multimodal_keys(
+    features: Sequence[MultimodalFeature], start: int, end: int, first: int
+) -> tuple[list[tuple[str, int]], int]:
+    """``(identifier, offset - start)`` of the inputs from ``features[first]`` that overlap the
+    window ``[start, end)``, and the input the next window starts from; vLLM's
+    ``_gen_mm_extra_hash_keys`` walk (inputs sorted by offset): an input that ends inside the
+    window lets the next one in, one that goes on past it ends the walk."""
+    keys: list[tuple[str, int]] = []
+    if features[-1].end <= start:
+        return keys, first
+    i = first
+    while i < len(features):
+        feature = features[i]
+        if end <= feature.offset:
+            break
+        if start >= feature.end:
+            i += 1
+            continue
+        keys.append((feature.identifier, feature.offset - start))
+        if end < feature.end:
+            break
+        i += 1
+    return keys, i
+
+
+def keyed_extra(extra: ExtraKeys, lookahead_token_ids: Sequence[int] | None = None) -> ExtraKeys:
+    """The extra keys a block is hashed with: its extra keys as sent, or, with lookahead hashing,
+    ``(extra, *lookahead_token_ids)`` (vLLM hashes ``(E, *tokens)``; ``E`` is ``None`` without
+    extras, so such a block's engine hash can still equal our key)."""
+    if lookahead_token_ids is None:
+        return extra
+    return (extra, *lookahead_token_ids)
+
+
+def _same_extra(a: ExtraKeys, b: ExtraKeys) -> bool:
+    """Whether two blocks' extra keys encode the same: equal, and made of strings only when not
+    the same object (``1 == True == 1.0`` would pass ``==`` with different encodings)."""
+    return a is b or (a is not None and a == b and all(type(k) is str for k in a))
+
+
+def block_chain(
+    tokens: Sequence[int],
+    *,
+    block_size: int,
+    parent: Digest,
+    extras: Sequence[ExtraKeys],
+    memo: ChainMemo | None = None,
+) -> list[Digest]:
+    """Digests of ``len(extras)`` full blocks of ``tokens`` chained from ``parent``, block ``i``
+    keyed with ``extras[i]``: what :func:`block_digest` gives block after block. Runs of blocks
+    with the same extra keys go through :func:`chain_digests` (or ``memo``) at once. The one
+    function both ingest (extras from events) and the read path (extras of a request) key with.
+    ``ValueError`` when ``tokens`` holds fewer than ``len(extras)`` blocks."""
+    n = len(extras)
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    if len(tokens) < n * block_size:
+        raise ValueError(f"{len(tokens)} tokens do not fill {n} blocks of {block_size}")
+    chain = chain_digests if memo is None else memo.chain_digests
+    out: list[Digest] = []
+    prev = parent
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and _same_extra(extras[j], extras[i]):
+            j += 1
+        run = tokens[i * block_size : j * block_size]
+        out += chain(run, block_size=block_size, parent=prev, extra=extras[i])
+        prev = out[-1]
+        i = j
+    return out
 
 
 def normalize_hash(value: int | bytes) -> int:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
+from scoring.keys import DEFAULT_SEED
+
 __all__ = [
     "FAILURE_TYPES",
     "MAX_JITTER",
@@ -112,7 +114,8 @@ class EngineConfig:
 
     ``kv_cache_size`` counts blocks of ``block_size`` tokens. At most ``max_num_seqs`` requests run
     at once; at most ``max_waiting`` wait in the FIFO queue (more is 429). ``hash_seed`` is the
-    engines' PYTHONHASHSEED of vLLM's ``sha256_cbor`` block hashing.
+    engines' PYTHONHASHSEED of vLLM's ``sha256_cbor`` block hashing (by default vLLM 0.33's when it is
+    unset).
     """
 
     block_size: int = 16
@@ -120,7 +123,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_waiting: int = 1000
     max_model_len: int = 32768
-    hash_seed: str = ""
+    hash_seed: str = DEFAULT_SEED
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_size", "max_num_seqs", "max_model_len"):

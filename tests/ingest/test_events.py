@@ -27,6 +27,7 @@ from ingest.events import (
     parse_topic,
 )
 from ingest.stats import MAX_VISIBLE_SECONDS, IngestStats
+from tests.ingest.captures import vllm_033_messages
 
 U64 = 2**64 - 1
 
@@ -128,8 +129,8 @@ def test_array_layout_sends_every_declared_field_including_trailing_nils():
     payload = encode_batch([stored(), BlockRemoved((7,))], ts=1.0)
     ts, events, rank = msgpack.unpackb(payload)
     assert (ts, rank) == (1.0, None)
-    assert events[0] == ["BlockStored", [7], None, [1, 2, 3, 4], 4, None, "GPU", None, None, None, None, None]
-    assert events[1] == ["BlockRemoved", [7], "GPU", None]
+    assert events[0] == ["BlockStored", [7], None, [1, 2, 3, 4], 4, None, "GPU", *[None] * 9]
+    assert events[1] == ["BlockRemoved", [7], "GPU", None, None, None]
 
 
 def test_map_layout_omits_only_nil_fields_that_have_a_default():
@@ -183,6 +184,128 @@ def test_real_captures_round_trip(request, name, layout, hash_bytes):
     assert batch == EventBatch(ts=1700000000.25, events=(event,), data_parallel_rank=1)
     assert list(batch.events[0].block_hashes) == capture["block_hashes"]
     assert len(batch.events[0].token_ids) == 25 * 16
+
+
+# --- vLLM 0.33: maps without None fields, new keys ------------------------------------------------
+
+
+def test_the_vllm_033_capture_decodes_every_event():
+    messages = [decode_message(m.frames) for m in vllm_033_messages()]
+    assert [(m.pod, m.model, m.seq) for m in messages] == [
+        ("pod-b", "Qwen/Qwen3-0.6B", 0),
+        ("pod-c", "Qwen/Qwen3-0.6B", 0),
+        ("pod-c", "Qwen/Qwen3-0.6B", 11),
+    ]
+    assert all(m.batch.errors == () and m.batch.data_parallel_rank == 0 for m in messages)
+    plain, _, salted = messages[0].batch.events
+    assert plain.extra_keys == (None,) * 4 and plain.group_idx == 0 and plain.lookahead_token_ids is None
+    assert (plain.lora_name, plain.lora_id, plain.tier, plain.block_size) == (None, None, "gpu", 16)
+    assert salted.extra_keys == (("tenant-42",), None, None, None)
+    lora = messages[1].batch.events[0]
+    assert (lora.lora_name, lora.lora_id, lora.extra_keys) == ("Alice", 1, (("Alice",),) * 4)
+    assert messages[2].batch.events == (AllBlocksCleared(),)
+
+
+def test_the_keys_vllm_033_added_are_decoded():
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [7, 8],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+        "extra_keys": [[["img", 2]], [["img", -2]]],
+        "locality": "REMOTE",
+        "ownership": "kvcr",
+        "session_id": "session-1",
+        "lookahead_token_ids": [[5, 6], [9, 10]],
+    }
+    removed = {
+        "type": "BlockRemoved",
+        "block_hashes": [7],
+        "medium": "CPU",
+        "locality": "REMOTE",
+        "ownership": "kvcr",
+    }
+    batch = decode_batch(pack([1.0, [event, removed], 0]))
+    assert batch.errors == ()
+    assert batch.events == (
+        BlockStored(
+            block_hashes=(7, 8),
+            parent_block_hash=None,
+            token_ids=(1, 2, 3, 4, 5, 6, 7, 8),
+            block_size=4,
+            tier="cpu",
+            extra_keys=((("img", 2),), (("img", -2),)),
+            lookahead_token_ids=((5, 6), (9, 10)),
+            locality="REMOTE",
+            ownership="kvcr",
+            session_id="session-1",
+        ),
+        BlockRemoved((7,), tier="cpu", locality="REMOTE", ownership="kvcr"),
+    )
+
+
+def test_labels_of_another_type_are_dropped_and_the_event_kept():
+    event = {"type": "BlockStored", "block_hashes": [7], "token_ids": [1, 2, 3, 4], "block_size": 4}
+    odd = {**event, "locality": {"rack": 1}, "ownership": 3, "session_id": b"\xff"}
+    assert only_event(pack([1.0, [odd]])) == stored()
+
+
+@pytest.mark.parametrize(
+    "lookahead",
+    [[[5]], [[5], [6], [7]], [5, 6], [[5], ["x"]], [[5], [-1]]],
+    ids=["too-few", "too-many", "not-nested", "not-ints", "negative"],
+)
+def test_lookahead_token_ids_must_be_one_token_array_per_block(lookahead):
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [7, 8],
+        "token_ids": [1] * 8,
+        "block_size": 4,
+        "lookahead_token_ids": lookahead,
+    }
+    error = assert_skipped(event, "field")
+    assert "lookahead_token_ids" in error.message
+
+
+# --- SGLang: its port of vLLM's publisher ---------------------------------------------------------
+
+
+def test_sglang_batches_of_array_events_with_five_fields_and_signed_hashes():
+    """SGLang's structs (``disaggregation/kv_events.py``) are ``array_like``: a batch
+    ``[ts, events]``, ``BlockStored = [tag, hashes, parent, token_ids, block_size, lora_id]`` (later
+    versions append ``medium``), ``BlockRemoved = [tag, hashes]``; hashes are signed int64 and a
+    page of 1 token is one block."""
+    payload = pack(
+        [
+            1.5,
+            [
+                ["BlockStored", [-3], None, [11], 1, None],
+                ["BlockStored", [4], -3, [12], 1, None, "GPU"],
+                ["BlockRemoved", [-3]],
+                ["BlockRemoved", [4], "GPU"],
+                ["AllBlocksCleared"],
+            ],
+        ]
+    )
+    minus_3 = 2**64 - 3
+    assert decode_batch(payload) == EventBatch(
+        1.5,
+        (
+            BlockStored((minus_3,), None, (11,), 1),
+            BlockStored((4,), minus_3, (12,), 1),
+            BlockRemoved((minus_3,)),
+            BlockRemoved((4,)),
+            AllBlocksCleared(),
+        ),
+    )
+
+
+def test_a_later_sglang_batch_carries_its_attention_data_parallel_rank_third():
+    assert decode_batch(pack([1.5, [["AllBlocksCleared"]], 2])).data_parallel_rank == 2
 
 
 # --- hashes --------------------------------------------------------------------------------------
@@ -250,8 +373,9 @@ def test_every_block_stored_field_is_read_from_its_array_position():
 
 
 def test_unknown_trailing_array_elements_are_ignored():
-    event = array_stored([7], None, [1, 2, 3, 4], 4, None, "GPU", None, None, 0, "full_attention", 128, "new")
-    batch = decode_batch(pack([1.0, [event, ["BlockRemoved", [7], "GPU", 0, "new"]], 0, "new"]))
+    declared = [None, "GPU", None, None, 0, "full_attention", 128, None, None, None, None]
+    event = array_stored([7], None, [1, 2, 3, 4], 4, *declared, "new")
+    batch = decode_batch(pack([1.0, [event, ["BlockRemoved", [7], "GPU", 0, None, None, "new"]], 0, "new"]))
     assert batch == EventBatch(1.0, (stored(group_idx=0), BlockRemoved((7,), group_idx=0)), 0)
 
 
@@ -264,8 +388,8 @@ def test_unknown_map_keys_are_ignored():
         "block_size": 4,
         "kv_cache_spec_kind": "sliding_window",
         "kv_cache_spec_sliding_window": 4096,
-        "locality": {"rack": "r1"},
-        "session_id": "s",
+        "priority": {"tenant": "t1"},
+        "future_hashes": [[1, 2]],
     }
     batch = decode_batch(pack({"ts": 1.0, "events": [event], "data_parallel_rank": 2, "future": True}))
     assert batch == EventBatch(1.0, (stored(),), 2)
@@ -571,6 +695,7 @@ extra_key = (
     st.text() | st.tuples(st.text(), st.integers(0, 99)) | st.binary(max_size=32) | st.integers(-(2**63), U64)
 )
 extra_entry = st.none() | st.lists(extra_key, min_size=1, max_size=3).map(tuple)
+labels = st.none() | st.text(max_size=8)
 
 
 @st.composite
@@ -589,10 +714,18 @@ def block_stored(draw) -> BlockStored:
         lora_name=draw(st.none() | st.text(min_size=1)),
         extra_keys=draw(st.none() | st.lists(extra_entry, min_size=n, max_size=n).map(tuple)),
         group_idx=draw(small_ints),
+        lookahead_token_ids=draw(
+            st.none() | st.lists(st.lists(token, max_size=3).map(tuple), min_size=n, max_size=n).map(tuple)
+        ),
+        locality=draw(labels),
+        ownership=draw(labels),
+        session_id=draw(labels),
     )
 
 
-block_removed = st.builds(BlockRemoved, st.lists(hashes, max_size=3).map(tuple), tiers, small_ints)
+block_removed = st.builds(
+    BlockRemoved, st.lists(hashes, max_size=3).map(tuple), tiers, small_ints, labels, labels
+)
 any_events = st.lists(block_stored() | block_removed | st.just(AllBlocksCleared()), max_size=6)
 layouts = st.sampled_from(["array", "map"])
 
@@ -633,8 +766,10 @@ msgpack_values = st.recursive(
 )
 tags = st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"])
 FIELD_NAMES = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"]
-field_names = st.sampled_from([*FIELD_NAMES, "medium", "lora_name", "extra_keys", "group_idx"])
-fuzzed_arrays = st.builds(lambda tag, rest: [tag, *rest], tags, st.lists(msgpack_values, max_size=11))
+field_names = st.sampled_from(
+    [*FIELD_NAMES, "medium", "lora_name", "extra_keys", "group_idx", "lookahead_token_ids", "locality"]
+)
+fuzzed_arrays = st.builds(lambda tag, rest: [tag, *rest], tags, st.lists(msgpack_values, max_size=17))
 fuzzed_maps = st.builds(
     lambda tag, rest: {"type": tag, **rest}, tags, st.dictionaries(field_names, msgpack_values)
 )
