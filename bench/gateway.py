@@ -10,7 +10,8 @@ is the gateway's latency minus the direct one (medians, and per percentile).
 Prompts: *short* (a ~60-token completion prompt) and *chat* (a ~3,000-token system prompt plus a
 question: tokenizing it, with the chat template, is most of the gateway's own work).
 
-    .venv/bin/python bench/gateway.py [--requests 300] [--policies kv-load,random] [--out FILE]
+    .venv/bin/python bench/gateway.py [--requests 300] [--policies kv-load,random]
+        [--loops asyncio,uvloop] [--out FILE]
 """
 
 from __future__ import annotations
@@ -93,12 +94,12 @@ class Stack:
             stderr=subprocess.DEVNULL,
         )
 
-    def start_gateway(self, policy: str) -> str:
-        """One more gateway (one worker) with ``policy``; its base URL once it serves the model."""
+    def start_gateway(self, policy: str, loop: str = "asyncio") -> str:
+        """One more gateway (one worker) with ``policy`` on event loop ``loop``; its base URL once
+        it serves the model."""
         port = free_port()
-        self.gateways.append(
-            self._start("gateway", "--port", str(port), "--workers", "1", "--policy", policy)
-        )
+        args = ("--port", str(port), "--workers", "1", "--policy", policy, "--loop", loop)
+        self.gateways.append(self._start("gateway", *args))
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(f"{url}/v1/models", b"Qwen"), timeout=60, what="the gateway", every=0.1)
         return url
@@ -174,22 +175,25 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--policies", default="kv-load,random")
+    parser.add_argument("--loops", default="asyncio", help="the gateway's event loops: asyncio,uvloop")
     parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "gateway.json")
     args = parser.parse_args(argv)
     report: dict = {"machine": machine(requests=args.requests), "results": []}
     stack = Stack()
     try:
-        for policy in args.policies.split(","):
-            stack.stop_gateways()
-            url = stack.start_gateway(policy)
-            for kind in ("short", "chat"):
-                result = {
-                    "policy": policy,
-                    "prompt": kind,
-                    **measure(url, stack.pod_url, kind, args.requests),
-                }
-                report["results"].append(result)
-                print(json.dumps(result), flush=True)
+        for loop in args.loops.split(","):
+            for policy in args.policies.split(","):
+                stack.stop_gateways()
+                url = stack.start_gateway(policy, loop)
+                for kind in ("short", "chat"):
+                    result = {
+                        "policy": policy,
+                        "loop": loop,
+                        "prompt": kind,
+                        **measure(url, stack.pod_url, kind, args.requests),
+                    }
+                    report["results"].append(result)
+                    print(json.dumps(result), flush=True)
     finally:
         stack.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,14 @@ package: ``make bench-deps``) at concurrency 1, 16 and 64 (one wrk thread at c=1
 
 * ``floor x1`` / ``floor xN``: ``bench/floor.py``, a bare ASGI app that reads the body and answers
   a fixed JSON body the size of our token_ids answer, under uvicorn with the options
-  ``manage.py serve`` uses (uvloop, httptools, no access log) and the same number of workers;
+  ``manage.py serve`` uses (httptools, no access log, the same event loop) and the same number
+  of workers;
 * ``memory x1``: our app with ``KVCACHE_INDEX_BACKEND=memory``, one worker process only;
 * ``redis x1`` / ``redis xN``: our app with the Redis index (a throwaway Valkey server).
+
+Each runs on asyncio's event loop, as ``manage.py serve`` does by default; a config named with
+``@uvloop`` (``--configs memory-1@uvloop,floor-1@uvloop``) runs on uvloop instead (``serve
+--loop uvloop``), compared with the floor on the same loop.
 
 Our app is started by ``scoring_command``: ``manage.py serve`` when that command exists, else
 uvicorn on ``kvsite.asgi`` (``--server`` forces either). Each server gets its own temp var dir
@@ -313,24 +318,24 @@ def tokenizer_ms(cold: ColdPrompts, *, repeats: int = 100) -> float:
 # that stopped answering its pings. Lifespan "auto" where serve says "on": an app without
 # lifespan support (kvsite.asgi before the fast path) still starts.
 UVICORN_OPTIONS = (
-    *("--loop", "uvloop", "--http", "httptools", "--ws", "websockets", "--lifespan", "auto"),
+    *("--http", "httptools", "--ws", "websockets", "--lifespan", "auto"),
     *("--timeout-graceful-shutdown", "8", "--no-proxy-headers", "--no-access-log", "--log-level", "info"),
 )
 
 
-def uvicorn_command(app: str, *, port: int, workers: int) -> list[str]:
-    host_port = ["--host", HOST, "--port", str(port), "--workers", str(workers)]
+def uvicorn_command(app: str, *, port: int, workers: int, loop: str = "asyncio") -> list[str]:
+    host_port = ["--host", HOST, "--port", str(port), "--workers", str(workers), "--loop", loop]
     return [sys.executable, "-m", "uvicorn", app, *host_port, *UVICORN_OPTIONS]
 
 
-def scoring_command(*, port: int, workers: int, server: str = "auto") -> list[str]:
+def scoring_command(*, port: int, workers: int, server: str = "auto", loop: str = "asyncio") -> list[str]:
     """How our app is served: ``manage.py serve`` once it exists (``server`` "auto"), else uvicorn
     on ``kvsite.asgi`` with the floor's options."""
     serve = (REPO / "scoring" / "management" / "commands" / "serve.py").is_file()
     if server == "serve" or (server == "auto" and serve):
-        args = ["--host", HOST, "--port", str(port), "--workers", str(workers)]
+        args = ["--host", HOST, "--port", str(port), "--workers", str(workers), "--loop", loop]
         return [sys.executable, "manage.py", "serve", *args]
-    return uvicorn_command("kvsite.asgi:application", port=port, workers=workers)
+    return uvicorn_command("kvsite.asgi:application", port=port, workers=workers, loop=loop)
 
 
 def serve_filled(fill_path: str, argv: list[str]) -> None:
@@ -782,21 +787,25 @@ def probe_ms(url: str, case: Case, *, timeout: float) -> float | None:
 class Config:
     backend: str  # floor | memory | redis | url
     workers: int
+    loop: str = "asyncio"
 
     @property
     def name(self) -> str:
-        return f"{self.backend} x{self.workers}"
+        return f"{self.backend} x{self.workers}" + ("" if self.loop == "asyncio" else f" {self.loop}")
 
 
 def parse_configs(text: str) -> list[Config]:
     configs = []
     for item in text.split(","):
-        backend, _, workers = item.strip().partition("-")
+        spec, _, loop = item.strip().partition("@")
+        backend, _, workers = spec.partition("-")
         if backend not in ("floor", "memory", "redis") or not workers.isdigit():
             raise SystemExit(f"--configs: {item!r} is not floor-N, memory-1 or redis-N")
         if backend == "memory" and workers != "1":
             raise SystemExit("--configs: the memory backend is one index per process: memory-1 only")
-        configs.append(Config(backend, int(workers)))
+        if loop not in ("", "asyncio", "uvloop"):
+            raise SystemExit(f"--configs: {item!r}: the loop after @ is asyncio or uvloop")
+        configs.append(Config(backend, int(workers), loop or "asyncio"))
     return configs
 
 
@@ -864,7 +873,7 @@ def check_server(url: str, workload: Workload) -> int:
 
 
 def row_of(config: Config, case: Case, c: int, result: dict, **extra: object) -> dict:
-    where = {"config": config.name, "backend": config.backend, "workers": config.workers}
+    where = {"config": config.name, "backend": config.backend, "workers": config.workers, "loop": config.loop}
     return {**where, "case": case.name, "c": c, **result, **extra}
 
 
@@ -940,7 +949,7 @@ def measure_isolation(
 def print_progress(row: dict) -> None:
     case = row["case"] + (f" + {row['noise']}" if row.get("noise", "none") != "none" else "")
     print(
-        f"  {row['config']:<10} {case:<40} c={row['c']:<3} {row['rps']:>8.0f} req/s "
+        f"  {row['config']:<16} {case:<40} c={row['c']:<3} {row['rps']:>8.0f} req/s "
         f"p50 {ms(row['p50_ms'])} p99 {ms(row['p99_ms'])} ms{notes(row)}",
         flush=True,
     )
@@ -987,9 +996,11 @@ def start_server(
 ) -> Server:
     port = free_port()
     if config.backend == "floor":
-        argv, ready = uvicorn_command("bench.floor:app", port=port, workers=config.workers), "/healthz"
+        argv = uvicorn_command("bench.floor:app", port=port, workers=config.workers, loop=config.loop)
+        ready = "/healthz"
     else:
-        argv, ready = scoring_command(port=port, workers=config.workers, server=args.server), "/readyz"
+        argv = scoring_command(port=port, workers=config.workers, server=args.server, loop=config.loop)
+        ready = "/readyz"
     if config.backend == "memory":
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve-filled", str(fill_path), "--", *argv]
     name = config.name.replace(" ", "")
@@ -1126,9 +1137,10 @@ def clean(row: dict) -> bool:
     return bool(row["requests"]) and not (row["non_200"] or row["unscored"] or errors or stalled)
 
 
-def floor_p50(rows: Sequence[dict], workers: int, c: int) -> float | None:
+def floor_p50(rows: Sequence[dict], workers: int, c: int, loop: str = "asyncio") -> float | None:
     for row in rows:
-        if row["backend"] == "floor" and row["workers"] == workers and row["c"] == c:
+        same = row["workers"] == workers and row["c"] == c and row.get("loop", "asyncio") == loop
+        if row["backend"] == "floor" and same:
             return row["p50_ms"]
     return None
 
@@ -1144,30 +1156,30 @@ def print_table(info: dict) -> None:
     )
     print(f"server:  {info.get('server_command', '-')}; {p['seconds']} s per point")
     print(f"tokenizer alone (a cold 2k prompt, in the bench process): {info['tokenizer_ms']:.2f} ms\n")
-    head = f"{'config':<10} {'case':<26} {'c':>3} {'req/s':>8} {'p50 ms':>7} {'p90':>7} {'p99':>7} x floor"
+    head = f"{'config':<16} {'case':<26} {'c':>3} {'req/s':>8} {'p50 ms':>7} {'p90':>7} {'p99':>7} x floor"
     print(head)
     print("-" * len(head))
     rows = info["rows"]
     for row in rows:
-        floor = floor_p50(rows, row["workers"], row["c"])
+        floor = floor_p50(rows, row["workers"], row["c"], row.get("loop", "asyncio"))
         ratio = "-"
         if floor and row["p50_ms"] is not None and row["backend"] != "floor":
             ratio = f"{row['p50_ms'] / floor:.2f}"
         figures = f"{row['rps']:>8.0f} {ms(row['p50_ms'], 7)} {ms(row['p90_ms'], 7)} {ms(row['p99_ms'], 7)}"
-        print(f"{row['config']:<10} {row['case']:<26} {row['c']:>3} {figures} {ratio:>7}{notes(row)}")
+        print(f"{row['config']:<16} {row['case']:<26} {row['c']:>3} {figures} {ratio:>7}{notes(row)}")
     print(
         "x floor: p50 over the floor's p50 at the same c and worker count (the floor answers the POST "
         "of the token_ids 2k body)"
     )
     if info["isolation"]:
         print("\nisolation: token_ids 2k while one noise request is kept in flight (x quiet: p99 ratio)")
-        head = f"{'config':<10} {'noise':<20} {'c':>3} {'req/s':>8} {'p50 ms':>7} {'p99':>8} {'x quiet':>7}"
+        head = f"{'config':<16} {'noise':<20} {'c':>3} {'req/s':>8} {'p50 ms':>7} {'p99':>8} {'x quiet':>7}"
         print(head + "  noise client")
         print("-" * (len(head) + 14))
         for row in info["isolation"]:
             ratio = f"{row['p99_ratio']:.2f}" if row.get("p99_ratio") is not None else "-"
             figures = f"{row['rps']:>8.0f} {ms(row['p50_ms'], 7)} {ms(row['p99_ms'], 8)} {ratio:>7}"
-            where = f"{row['config']:<10} {row['noise']:<20} {row['c']:>3}"
+            where = f"{row['config']:<16} {row['noise']:<20} {row['c']:>3}"
             print(f"{where} {figures}  {noise_summary(row)}{notes(row)}")
     for name, server in info["servers"].items():
         if server.get("problem_lines"):
@@ -1203,12 +1215,13 @@ def verdicts(info: dict) -> list[dict]:
         out.append({"config": config, "target": target, "met": met, "numbers": numbers})
 
     for config in dict.fromkeys(r["config"] for r in rows if r["backend"] != "floor"):
-        workers = next(r["workers"] for r in rows if r["config"] == config)
+        first = next(r for r in rows if r["config"] == config)
+        workers, loop = first["workers"], first.get("loop", "asyncio")
         if (row := find(config, "token_ids 2k", 1)) and row["requests"]:
             p50 = row["p50_ms"]
             target = f"token_ids 2k at c=1: p50 <= {TOKEN_IDS_P50_MS} ms"
             add(config, target, p50 <= TOKEN_IDS_P50_MS and clean(row), f"p50 {p50:.2f} ms")
-            if floor := floor_p50(rows, workers, 1):
+            if floor := floor_p50(rows, workers, 1, loop):
                 target = f"token_ids 2k at c=1: p50 <= {TOKEN_IDS_OVER_FLOOR:g}x the floor's"
                 numbers = f"p50 {p50:.2f} ms = {p50 / floor:.1f}x the floor's {floor:.2f} ms"
                 add(config, target, p50 <= TOKEN_IDS_OVER_FLOOR * floor and clean(row), numbers)
@@ -1245,7 +1258,7 @@ def print_verdicts(found: Sequence[dict]) -> None:
     if found:
         print("\ntargets (issue 8):")
     for v in found:
-        print(f"  {v['config']:<10} {'met   ' if v['met'] else 'MISSED'}  {v['target']}: {v['numbers']}")
+        print(f"  {v['config']:<16} {'met   ' if v['met'] else 'MISSED'}  {v['target']}: {v['numbers']}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -212,6 +212,19 @@ def look_up(index: KVIndex, keyed: KeyedRequest, *, config: ServiceConfig) -> Sc
     return finish(keyed, holders, config=config)
 
 
+async def alook_up(index: KVIndex, keyed: KeyedRequest, *, config: ServiceConfig) -> ScoreResult:
+    """``look_up`` on an event loop, for an index that reads there (``alookup``: see
+    ``RedisIndex.alookup``)."""
+    started = time.perf_counter()
+    holders = (
+        await index.alookup(model=keyed.model, keys=keyed.keys, pods=keyed.wanted)  # type: ignore[attr-defined]
+        if keyed.needs_lookup
+        else []
+    )
+    keyed.timings.lookup = time.perf_counter() - started
+    return finish(keyed, holders, config=config)
+
+
 def look_up_many(
     index: KVIndex, requests: Sequence[KeyedRequest], *, config: ServiceConfig
 ) -> list[ScoreResult]:

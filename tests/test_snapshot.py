@@ -1,9 +1,10 @@
-"""The registry snapshot source: fresh enough, never a database wait for more than one request."""
+"""The registry snapshot source: fresh enough, and no request waits for a refresh."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from scoring.config import ServiceConfig
 from scoring.snapshot import ConfigSource
@@ -37,23 +38,59 @@ def test_get_loads_once_then_again_after_max_age_or_invalidation():
     assert source.get().seed == "3"
 
 
-def test_while_one_request_reloads_the_others_keep_the_stale_snapshot():
+def test_no_request_waits_for_a_refresh_and_one_reload_runs_at_a_time():
     registry = Registry()
-    source = ConfigSource(registry.load, max_age=0)
+    source = ConfigSource(registry.load, max_age=0, refresh_wait=0.05)
     source.get()
     registry.gate.clear()
+    registry.entered.clear()
 
-    async def scenario() -> tuple[str, list[str]]:
-        first = asyncio.ensure_future(source.aget())
-        await asyncio.sleep(0.05)  # it is now loading, held at the gate
-        others = [(await source.aget()).seed for _ in range(5)]
+    async def scenario() -> tuple[list[str], str]:
+        # The first request past max_age starts the reload, waits refresh_wait for it and goes on
+        # with the stale snapshot, like the others (the loader is held at its gate all along).
+        started = time.monotonic()
+        during = [(await asyncio.wait_for(source.aget(), 1)).seed for _ in range(6)]
+        assert time.monotonic() - started < 0.5
+        assert registry.entered.wait(5)
         registry.gate.set()
-        return (await first).seed, others
+        while source.current().seed == "1":
+            await asyncio.sleep(0.01)
+        source.max_age = 60
+        return during, (await source.aget()).seed
 
-    reloaded, others = asyncio.run(scenario())
-    assert others == ["1"] * 5
-    assert reloaded == "2"
-    assert registry.loads == 2
+    during, after = asyncio.run(scenario())
+    assert during == ["1"] * 6
+    assert after == "2"
+    assert registry.loads == 2  # one reload for the six stale requests
+
+
+def test_a_refresh_that_lands_within_refresh_wait_serves_the_request_that_started_it():
+    registry = Registry()
+    source = ConfigSource(registry.load, max_age=0, refresh_wait=5)
+    source.get()
+    assert asyncio.run(source.aget()).seed == "2"
+
+
+def test_a_missing_snapshot_is_awaited_and_a_failed_refresh_keeps_the_stale_one():
+    registry = Registry()
+    source = ConfigSource(registry.load, max_age=0.2)
+
+    async def scenario() -> list[str]:
+        first = (await source.aget()).seed  # nothing to serve yet: this one waits
+        registry.load = _failing  # the database goes away
+        await asyncio.sleep(0.25)
+        stale = (await source.aget()).seed
+        await asyncio.sleep(0.05)  # the failed reload lands; the next try waits another max_age
+        again = (await source.aget()).seed
+        return [first, stale, again]
+
+    source._load = lambda: registry.load()
+    assert asyncio.run(scenario()) == ["1", "1", "1"]
+    assert source.current().seed == "1"
+
+
+def _failing() -> ServiceConfig:
+    raise ConnectionError("database unreachable")
 
 
 def test_a_load_that_began_before_an_invalidation_does_not_win():

@@ -9,10 +9,12 @@ Bounded work per request:
 
 * the body is read whatever its framing (``Content-Length`` or chunked) up to
   ``max_body_bytes`` (413 past it), and validated before anything is looked up;
-* the core runs off the event loop, in a thread pool: requests with a large body or their own
-  chat template in a separate small "bulk" pool, so they cannot take every thread from small
-  ones (tokenizers release the GIL while they work; request templates render in a process
-  sandbox with a CPU budget);
+* keying (tokenizing, rendering) runs off the event loop, in a thread pool: requests with a
+  large body or their own chat template in a separate small "bulk" pool, so they cannot take
+  every thread from small ones (tokenizers release the GIL while they work; request templates
+  render in a process sandbox with a CPU budget); short token ids are keyed on the loop;
+* the index is read on the loop when it can be (the in-process index for up to
+  ``INLINE_MAX_KEYS`` keys; Redis through ``alookup``'s pipelined connection), else in the pool;
 * prompts longer than the model's context length are refused as soon as their token count is
   known.
 
@@ -57,7 +59,9 @@ logger = logging.getLogger(__name__)
 BEARER_HINT = "this endpoint needs an API key: send the header 'Authorization: Bearer <key>'"
 JSON_HEADERS = [(b"content-type", b"application/json")]
 INLINE_MAX_TOKENS = 4096
-"""``/api/v1/score`` token ids up to this many are scored on the event loop (``_inline``)."""
+"""``/api/v1/score`` token ids up to this many are keyed on the event loop (``_inline``)."""
+INLINE_MAX_KEYS = 256
+"""The in-process index is read on the event loop for up to this many keys (~0.1 ms)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,24 +168,25 @@ class ScoringApp:
     async def _score_completions(self, body: bytes, settings: FastPathSettings) -> _Answer:
         request = decode(body, ScoreCompletionsRequest, max_depth=settings.max_json_depth)
         config = await self.handles.config.aget()
-        result = await self._run(
-            len(body) > settings.bulk_body_bytes,
-            read_path.score_prompt,
-            index=self.handles.index(),
+        bulk = len(body) > settings.bulk_body_bytes
+        keyed = await self._run(
+            bulk,
+            read_path.key_prompt,
             tokenizers=self.handles.tokenizers(config),
             config=config,
             model=request.model,
             prompt=request.prompt,
         )
+        result = await self._look_up(bulk, keyed, config)
         return _Answer({pod: s.score for pod, s in result.scores.items()}, result)
 
     async def _score_chat_completions(self, body: bytes, settings: FastPathSettings) -> _Answer:
         request = decode(body, ScoreChatCompletionsRequest, max_depth=settings.max_json_depth)
         config = await self.handles.config.aget()
-        result = await self._run(
-            _is_bulk(body, request, settings),
-            read_path.score_chat,
-            index=self.handles.index(),
+        bulk = _is_bulk(body, request, settings)
+        keyed = await self._run(
+            bulk,
+            read_path.key_chat,
             tokenizers=self.handles.tokenizers(config),
             config=config,
             model=request.model,
@@ -189,6 +194,7 @@ class ScoringApp:
             sandbox=self.handles.sandbox(),
             allow_request_templates=settings.allow_request_templates,
         )
+        result = await self._look_up(bulk, keyed, config)
         body_out = {
             "podScores": {pod: s.score for pod, s in result.scores.items()},
             "templated_messages": result.templated,
@@ -198,17 +204,25 @@ class ScoringApp:
     async def _score(self, body: bytes, settings: FastPathSettings) -> _Answer:
         request = decode(body, ScoreRequest, max_depth=settings.max_json_depth)
         config = await self.handles.config.aget()
+        bulk = _is_bulk(body, request, settings)
         if self._inline(request, config):
             keyed = self._key(request, config, settings)
-            index = self.handles.index()
-            if getattr(index, "in_process", False):
-                result = read_path.look_up(index, keyed, config=config)
-            else:  # a network round trip: never on the event loop (a frozen server would stall it)
-                result = await self._run(False, read_path.look_up, index, keyed, config=config)
         else:
-            bulk = _is_bulk(body, request, settings)
-            result = await self._run(bulk, self._score_one, request, config, settings)
+            keyed = await self._run(bulk, self._key, request, config, settings)
+        result = await self._look_up(bulk, keyed, config)
         return _Answer(score_body(result, config), result)
+
+    async def _look_up(self, bulk: bool, keyed: KeyedRequest, config: ServiceConfig) -> ScoreResult:
+        """The index's answer for ``keyed``, read on the event loop when that costs no wait: the
+        in-process index for a few keys, or an index with its own async reads (a frozen server
+        then costs this request its time-out, never the loop); else in the pool."""
+        index = self.handles.index()
+        if getattr(index, "in_process", False):
+            if len(keyed.keys) <= INLINE_MAX_KEYS:
+                return read_path.look_up(index, keyed, config=config)
+        elif getattr(index, "reads_async", False):
+            return await read_path.alook_up(index, keyed, config=config)
+        return await self._run(bulk, read_path.look_up, index, keyed, config=config)
 
     def _inline(self, request: ScoreRequest, config: ServiceConfig) -> bool:
         """Token ids short enough to key in well under a millisecond, for a model whose context
@@ -266,11 +280,6 @@ class ScoringApp:
             allow_request_templates=settings.allow_request_templates,
             **common,
         )
-
-    def _score_one(
-        self, request: ScoreRequest, config: ServiceConfig, settings: FastPathSettings
-    ) -> ScoreResult:
-        return read_path.look_up(self.handles.index(), self._key(request, config, settings), config=config)
 
     def _score_many(
         self, requests: list[ScoreRequest | RequestError], config: ServiceConfig, settings: FastPathSettings

@@ -52,6 +52,8 @@ Why it is safe:
   start rather than half way (a script that fails part way is never rolled back). They run by
   ``EVALSHA``; when the server has lost them (``SCRIPT FLUSH``, a restart) all of them are
   loaded again and the refused calls sent once more, in order.
+* Reads on an event loop: ``alookup`` sends the same ``MGET`` on one pipelined connection per
+  loop (``scoring.index.resp``), bounded by the client's ``socket_timeout``.
 * Latency: Valkey runs one script, and one client's pipelined commands, back to back, so no
   other client (scoring's ``MGET``) is served while they run. ``apply_updates`` therefore sends
   at most ``slice_blocks`` of work per pipeline (round trip). At the default 2048, a call takes
@@ -72,10 +74,12 @@ script per routed request that rewrites its ~1/8 of the request's keys, filterin
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import struct
 import time
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
@@ -100,10 +104,13 @@ from scoring.index.base import (
     speculated_runs,
     speculation_points,
 )
+from scoring.index.resp import ReadConnection, ReplyError
 from scoring.keys import BlockKey, Digest
 
 DEFAULT_NAMESPACE = "kv"
 DEFAULT_SLICE_BLOCKS = 2048
+DEFAULT_READ_TIMEOUT = 5.0
+"""``alookup``'s time-outs when the URL and options set none (redis-py waits forever)."""
 """Blocks, engine hashes or cleared entries per script call and per pipeline: ~7 ms of server
 time for a store, ~14 ms for a remove or a clear (``bench/index_slices.py``)."""
 
@@ -735,6 +742,11 @@ class RedisIndex:
         self._namespace = namespace
         self._models_key = namespace.encode() + b":models"
         self._models_seen: set[str] = set()  # set.add is atomic: no lock needed
+        self._read_url: str | None = None  # set by from_url: what alookup connects to
+        self._read_timeouts = (1.0, 1.0)
+        self._readers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ReadConnection] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     def from_url(
@@ -755,7 +767,14 @@ class RedisIndex:
         options.setdefault("socket_connect_timeout", 5)
         options.setdefault("health_check_interval", 30)
         client = redis.Redis.from_url(url, decode_responses=False, **options)
-        return cls(client, namespace=namespace, slice_blocks=slice_blocks)
+        index = cls(client, namespace=namespace, slice_blocks=slice_blocks)
+        kwargs = client.connection_pool.connection_kwargs  # the URL's query wins, as in redis-py
+        index._read_url = url
+        index._read_timeouts = (
+            kwargs.get("socket_timeout") or DEFAULT_READ_TIMEOUT,
+            kwargs.get("socket_connect_timeout") or DEFAULT_READ_TIMEOUT,
+        )
+        return index
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -882,6 +901,46 @@ class RedisIndex:
         names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
         return _held_run(self._client.mget(names), wanted)
 
+    @property
+    def reads_async(self) -> bool:
+        """``alookup`` reads on the event loop (else it is ``lookup`` in a thread)."""
+        return self._read_url is not None and self._read_url.startswith(("redis://", "unix://"))
+
+    async def alookup(
+        self, *, model: str, keys: Sequence[BlockKey], pods: Collection[str] | None = None
+    ) -> list[HolderMap]:
+        """``lookup`` for an event loop: the same ``MGET`` on this loop's pipelined connection
+        (``scoring.index.resp``), no thread; its errors and time-outs as ``IndexUnavailable``.
+        Without such a connection (``rediss://``, or an index not made by ``from_url``) it runs
+        ``lookup`` in the loop's default thread pool."""
+        if not keys:
+            return []
+        wanted = pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
+        if wanted is not None and not wanted:
+            return []
+        reader = self._reader()
+        if reader is None:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self.lookup, model=model, keys=keys, pods=wanted)
+            )
+        names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
+        try:
+            values = await reader.execute(b"MGET", *names)
+        except (OSError, ConnectionError, TimeoutError, ReplyError) as exc:
+            raise IndexUnavailable(f"the Redis index is unreachable: {exc}") from exc
+        return _held_run(values, wanted)
+
+    def _reader(self) -> ReadConnection | None:
+        if not self.reads_async:
+            return None
+        loop = asyncio.get_running_loop()
+        reader = self._readers.get(loop)
+        if reader is None:
+            timeout, connect_timeout = self._read_timeouts
+            reader = ReadConnection.from_url(self._read_url, timeout=timeout, connect_timeout=connect_timeout)
+            self._readers[loop] = reader
+        return reader
+
     @_unavailable_on_connection_error
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         """One ``MGET`` per query that can match, pipelined: one round trip for all of them."""
@@ -982,6 +1041,8 @@ class RedisIndex:
 
     def close(self) -> None:
         self._client.close()
+        for reader in list(self._readers.values()):
+            reader.close()
 
     # -- plumbing -------------------------------------------------------------------------------
 

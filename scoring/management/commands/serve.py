@@ -46,6 +46,13 @@ def add_server_arguments(parser: CommandParser, *, port: int) -> None:
         help="how long in-flight requests may finish after SIGTERM (default 8; the whole exit stays "
         "under 10 s)",
     )
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="event loop (default asyncio: under saturation uvloop accepts about one new connection per "
+        "turn of the loop, so a burst of new connections waits up to seconds; docs/performance.md)",
+    )
     parser.add_argument("--access-log", action="store_true", help="log every request (off: it costs)")
 
 
@@ -58,6 +65,7 @@ def run_server(
     workers: int,
     graceful_seconds: float,
     access_log: bool,
+    loop: str = "asyncio",
     ws: str = "none",
     **_options: Any,
 ) -> None:
@@ -72,7 +80,7 @@ def run_server(
         host=host,
         port=port,
         workers=workers,
-        loop="uvloop",
+        loop=loop,
         http="httptools",
         ws=ws,
         lifespan="on",
