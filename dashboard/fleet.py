@@ -58,8 +58,8 @@ class PodCounters:
 
     @property
     def hash_alignment(self) -> float | None:
-        """As ``StreamStats.hash_alignment``, over all ranks: share of computed blocks whose
-        engine hash equalled our block key (None: no computed block yet)."""
+        """As ``StreamStats.hash_alignment``, over all ranks: share of judged blocks whose
+        engine hash equalled our block key (None: no judged block yet)."""
         aligned, misaligned = self.counts["aligned_blocks"], self.counts["misaligned_blocks"]
         return aligned / (aligned + misaligned) if aligned + misaligned else None
 

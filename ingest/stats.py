@@ -55,7 +55,10 @@ class StreamStats:
 
     @property
     def hash_alignment(self) -> float | None:
-        """Share of computed blocks whose engine hash equalled our block key (None: none yet)."""
+        """Share of judged blocks whose engine hash equalled our block key (None: none yet). A
+        block is judged unless it, or a block before it in its chain, has extra keys (a LoRA, a
+        cache salt, an image: vLLM 0.33 hashes those tagged, so they never equal our keys), or it
+        was re-cut from pages of another size, or reported again (``ingest.applier``)."""
         n = self.aligned_blocks + self.misaligned_blocks
         return self.aligned_blocks / n if n else None
 
