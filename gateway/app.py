@@ -12,6 +12,12 @@ alone and counted. ``GET /v1/models`` (the live pods' models and LoRA adapters),
 
 Live pods: registered, enabled, not found down by the prober, with an address, serving the
 request's model (or the base model of the LoRA adapter it names).
+
+A request's ``cache_salt`` (vLLM's completions and chat field) keys its blocks as the pods' events
+key them, so a salted request is routed by its salted prefix. Multimodal inputs are out of scope:
+vLLM's media identifiers are hashes its processor computes from the media, which the gateway does
+not reproduce, so a conversation with non-text content parts is routed on load alone (keying it
+fails, and is counted).
 """
 
 from __future__ import annotations
@@ -286,6 +292,8 @@ class GatewayApp:
         self, config: ServiceConfig, model: str, lora: str | None, kind: str, payload: dict
     ) -> KeyedRequest:
         tokenizers = self.handles.tokenizers(config)
+        salt = payload.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None  # anything else: the pod says what is wrong
         if kind == "chat":
             chat = ChatRequest(
                 messages=payload.get("messages"),
@@ -302,6 +310,7 @@ class GatewayApp:
                 model=model,
                 chat=chat,
                 lora_name=lora,
+                cache_salt=salt,
                 sandbox=self.handles.sandbox() if chat.chat_template is not None else None,
                 allow_request_templates=self.settings.allow_request_templates,
             )
@@ -310,10 +319,17 @@ class GatewayApp:
             prompt = prompt[0]  # a batch goes where its first prompt is warmest
         if isinstance(prompt, str):
             return key_prompt(
-                tokenizers=tokenizers, config=config, model=model, prompt=prompt, lora_name=lora
+                tokenizers=tokenizers,
+                config=config,
+                model=model,
+                prompt=prompt,
+                lora_name=lora,
+                cache_salt=salt,
             )
         if isinstance(prompt, list):
-            return key_token_ids(config=config, model=model, token_ids=prompt, lora_name=lora)
+            return key_token_ids(
+                config=config, model=model, token_ids=prompt, lora_name=lora, cache_salt=salt
+            )
         raise TypeError("prompt is neither text nor token ids")
 
     async def _forward(

@@ -138,6 +138,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
         "tokenizer_source",
         "tier_weights",
         "other_tier_weight",
+        "hash_lookahead_tokens",
         "updated_at",
     )
     search_fields = ("name", "tokenizer_source")

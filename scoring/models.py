@@ -7,7 +7,7 @@ import re
 import jinja2
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from scoring.chat import BoundedEnvironment
@@ -61,6 +61,11 @@ def validate_block_size(value: int) -> None:
         raise ValidationError(
             f"must be between 1 and {MAX_BLOCK_SIZE} tokens: the engines' --block-size (vLLM's default is 16)"
         )
+
+
+MAX_HASH_LOOKAHEAD_TOKENS = 64
+"""vLLM's ``num_hash_lookahead_tokens`` comes from a speculative decoding config (the draft tokens
+a step may propose: a handful); 64 leaves room for any of them."""
 
 
 def validate_chat_template(value: str) -> None:
@@ -157,6 +162,13 @@ class ModelConfig(models.Model):
         validators=[MinValueValidator(1)],
         help_text="Context length in tokens (vLLM's --max-model-len); longer prompts are refused. "
         "Empty: the tokenizer config's model_max_length.",
+    )
+    hash_lookahead_tokens = models.PositiveSmallIntegerField(
+        default=0,
+        validators=[MaxValueValidator(MAX_HASH_LOOKAHEAD_TOKENS)],
+        help_text="Must equal the engines' lookahead hashing (vLLM's num_hash_lookahead_tokens, set by "
+        f"speculative decoding configs): each block's key also covers this many tokens after it. 0 to "
+        f"{MAX_HASH_LOOKAHEAD_TOKENS}; 0 (the default): none.",
     )
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -7,8 +7,10 @@ can say where the time goes:
 2. **tokenize**: the model's tokenizer through the prefix store (``TokenizerRegistry.tokenize``);
    skipped when the caller sends token ids;
 3. **keys**: vLLM's ``sha256_cbor`` block keys (``scoring.keys.block_keys``) from the hash seed,
-   the model's block size and the LoRA adapter name, through ``BLOCK_KEY_MEMO`` (a repeated
-   prefix's blocks are looked up, not hashed again);
+   the model's block size and lookahead (``hash_lookahead_tokens``), and the request's extra keys
+   (LoRA adapter name, ``cache_salt``, multimodal features), through ``BLOCK_KEY_MEMO`` (a
+   repeated prefix's blocks are looked up, not hashed again; a step is memoized under its extra
+   keys, so salted and plain chains never share one);
 4. **lookup**: one index round trip for the longest held run of keys, restricted to the asked
    pods; disabled pods and pods the liveness prober found down (``config.unscored_pods``) are
    taken out, with their data-parallel ranks;
@@ -30,7 +32,7 @@ from typing import Any
 from scoring.chat import ChatTemplateError, render_chat
 from scoring.config import ModelSettings, ServiceConfig, owner_pod
 from scoring.index import HolderMap, KVIndex
-from scoring.keys import BlockKey, ChainMemo, block_keys
+from scoring.keys import BlockKey, ChainMemo, MultimodalFeature, block_keys
 from scoring.sandbox import TemplateSandbox
 from scoring.scorer import PodScore, longest_prefix_scores
 from scoring.tokenization import Tokenization, TokenizerError, TokenizerRegistry, TooManyTokens
@@ -108,7 +110,8 @@ class ScoreResult:
 
     ``scores`` holds every pod whose cache holds at least the first block, sorted by pod name;
     ``total_blocks`` counts the full blocks of the request (a trailing partial block is never
-    cached by vLLM, so never scored); ``looked_up`` says whether the index was asked (not when
+    cached by vLLM, so never scored; with lookahead hashing, only blocks followed by that many
+    tokens are keyed); ``looked_up`` says whether the index was asked (not when
     there is no full block or every asked pod is unscored: disabled or down); ``lookup_hits`` is the
     length of the held run it returned (before unscored pods were taken out). ``tokenization`` is
     ``None`` when the caller sent token ids; ``templated`` is the rendered conversation for chat
@@ -151,29 +154,48 @@ def key_token_ids(
     model: str,
     token_ids: Sequence[int],
     lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm_features: Sequence[MultimodalFeature] = (),
     pods: Collection[str] | None = None,
     timings: Timings | None = None,
     max_tokens: int | None = None,
     memo: ChainMemo | None = BLOCK_KEY_MEMO,
 ) -> KeyedRequest:
     """Steps 3 and the pod filter: keys computed with ``config.seed``, the model's block size and
-    ``lora_name`` exactly as a ``sha256_cbor`` engine computes them (through ``memo``: the same
-    keys; ``None`` hashes every block).
+    lookahead (``hash_lookahead_tokens``), ``lora_name``, ``cache_salt`` and ``mm_features``
+    (positions in ``token_ids``) exactly as a ``sha256_cbor`` engine's events key the request's
+    blocks (through ``memo``: the same keys; ``None`` hashes every block).
 
-    Raises ``InvalidInput`` for a token id outside 0..2**64-1, or more token ids than the model's
-    context length (``max_tokens``, else the model config's ``max_model_len``)."""
+    Raises ``InvalidInput`` for a token id outside 0..2**64-1, more token ids than the model's
+    context length (``max_tokens``, else the model config's ``max_model_len``), or a multimodal
+    feature that ends past the last token."""
     timings = timings if timings is not None else Timings()
     settings = config.model(model)
     limit = settings.max_model_len or max_tokens
     if limit is not None and len(token_ids) > limit:
         raise InvalidInput("token_ids", str(TooManyTokens(len(token_ids), limit)))
+    for i, feature in enumerate(mm_features):
+        if feature.end > len(token_ids):
+            raise InvalidInput(
+                "mm_features",
+                f"mm_features[{i}] covers tokens {feature.offset} to {feature.end - 1}, but the prompt has "
+                f"{len(token_ids)} tokens",
+            )
     started = time.perf_counter()
     try:
         keys = block_keys(
-            token_ids, seed=config.seed, block_size=settings.block_size, lora_name=lora_name, memo=memo
+            token_ids,
+            seed=config.seed,
+            block_size=settings.block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            lookahead_tokens=settings.hash_lookahead_tokens,
+            memo=memo,
         )
     except ValueError as error:
-        raise InvalidInput("token_ids", str(error)) from error
+        field = _unencodable(lora_name=lora_name, cache_salt=cache_salt, mm_features=mm_features)
+        raise InvalidInput(field or "token_ids", str(error)) from error
     timings.keys = time.perf_counter() - started
     unscored = config.unscored_pods
     wanted = None if pods is None else frozenset(p for p in pods if not _is_unscored(p, unscored))
@@ -253,6 +275,8 @@ def score_token_ids(
     model: str,
     token_ids: Sequence[int],
     lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm_features: Sequence[MultimodalFeature] = (),
     pods: Collection[str] | None = None,
     max_tokens: int | None = None,
 ) -> ScoreResult:
@@ -263,7 +287,14 @@ def score_token_ids(
     has no full block). Raises what ``key_token_ids`` raises and ``IndexUnavailable``.
     """
     keyed = key_token_ids(
-        config=config, model=model, token_ids=token_ids, lora_name=lora_name, pods=pods, max_tokens=max_tokens
+        config=config,
+        model=model,
+        token_ids=token_ids,
+        lora_name=lora_name,
+        cache_salt=cache_salt,
+        mm_features=mm_features,
+        pods=pods,
+        max_tokens=max_tokens,
     )
     return look_up(index, keyed, config=config)
 
@@ -275,16 +306,28 @@ def key_prompt(
     model: str,
     prompt: str,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm_features: Sequence[MultimodalFeature] = (),
     pods: Collection[str] | None = None,
 ) -> KeyedRequest:
     """Steps 2-3 for a completion prompt: tokenized with the model's tokenizer (no special tokens
-    added, as vLLM's completions endpoint does for the prompt text), then keyed.
+    added, as vLLM's completions endpoint does for the prompt text), then keyed as
+    ``key_token_ids`` keys (``mm_features`` in positions of the prompt's tokens).
 
     Raises ``TokenizerNotFound`` (no tokenizer for ``model``; answered at once, never retried),
     ``TokenizerLoadError``, ``InvalidInput`` (text that is not valid Unicode, or longer than the
-    model's context length)."""
+    model's context length, and what ``key_token_ids`` refuses)."""
     return _key_text(
-        tokenizers, config, model, prompt, field="prompt", lora_name=lora_name, pods=pods, timings=Timings()
+        tokenizers,
+        config,
+        model,
+        prompt,
+        field="prompt",
+        lora_name=lora_name,
+        cache_salt=cache_salt,
+        mm_features=mm_features,
+        pods=pods,
+        timings=Timings(),
     )
 
 
@@ -301,13 +344,16 @@ def key_chat(
     model: str,
     chat: ChatRequest,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm_features: Sequence[MultimodalFeature] = (),
     pods: Collection[str] | None = None,
     sandbox: TemplateSandbox | None = None,
     allow_request_templates: bool = True,
 ) -> KeyedRequest:
     """Steps 1-3 for a conversation: rendered with the request's template (in ``sandbox`` when
     given), else the model config's, else the tokenizer's own (``render_chat``), then tokenized
-    and keyed as ``key_prompt`` does; ``templated`` is the rendered prompt.
+    and keyed as ``key_prompt`` does (``mm_features`` in positions of the rendered prompt's
+    tokens); ``templated`` is the rendered prompt.
 
     Raises what ``key_prompt`` raises, and ``ChatTemplateError`` for a conversation or options
     the template cannot render (the message says what to fix)."""
@@ -336,6 +382,8 @@ def key_chat(
         rendered.text,
         field="messages",
         lora_name=lora_name,
+        cache_salt=cache_salt,
+        mm_features=mm_features,
         pods=pods,
         timings=timings,
     )
@@ -369,6 +417,8 @@ def _key_text(
     *,
     field: str,
     lora_name: str | None,
+    cache_salt: str | None,
+    mm_features: Sequence[MultimodalFeature],
     pods: Collection[str] | None,
     timings: Timings,
 ) -> KeyedRequest:
@@ -382,6 +432,8 @@ def _key_text(
         model=model,
         token_ids=tokenization.token_ids,
         lora_name=lora_name,
+        cache_salt=cache_salt,
+        mm_features=mm_features,
         pods=pods,
         timings=timings,
     )
@@ -397,6 +449,20 @@ def _tokenize(
         return tokenizers.tokenize(model, text, max_tokens=limit)
     except ValueError as error:  # not valid Unicode (a lone surrogate), or over the context length
         raise InvalidInput(field, str(error)) from error
+
+
+def _unencodable(
+    *, lora_name: str | None, cache_salt: str | None, mm_features: Sequence[MultimodalFeature]
+) -> str | None:
+    """The field whose text cannot be hashed (not valid Unicode: a lone surrogate), if any."""
+    named = [("lora_name", lora_name), ("cache_salt", cache_salt)]
+    named += [("mm_features", feature.identifier) for feature in mm_features]
+    for field, text in named:
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError:
+            return field
+    return None
 
 
 def _is_unscored(holder: str, unscored: frozenset[str]) -> bool:

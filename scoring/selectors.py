@@ -34,6 +34,7 @@ def load_service_config() -> ServiceConfig:
             else DEFAULT_OTHER_TIER_WEIGHT,
             lora_adapters=tuple(m.lora_adapters or ()),
             max_model_len=m.max_model_len,
+            hash_lookahead_tokens=m.hash_lookahead_tokens,
         )
         for m in ModelConfig.objects.all()
     }

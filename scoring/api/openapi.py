@@ -13,7 +13,8 @@ from scoring.fastpath.schema import MAX_BATCH, openapi_components
 
 _ERRORS = {
     "400": "The body is not valid: `fields` says which field and what to send (also: JSON nested "
-    "too deep, a prompt longer than the model's context length, a template that cannot render).",
+    "too deep, a prompt longer than the model's context length, `mm_features` past the prompt's last "
+    "token, a template that cannot render).",
     "401": "KVCACHE_API_KEYS is set and no valid `Authorization: Bearer <key>` was sent.",
     "404": "The model has no tokenizer (use token_ids on /api/v1/score for such models).",
     "405": "Only POST is allowed.",
@@ -134,7 +135,8 @@ PATHS = {
         "Score a completion prompt (upstream's shape)",
         "Per-pod prefix-hit scores for a prompt: the sum of the tier weights of the leading blocks "
         "each pod holds. Bare `{pod: score}`; `{}` when nothing matched, also for a prompt shorter "
-        "than one block.",
+        "than one block. `cache_salt` and `mm_features` key the blocks as vLLM does for a request with "
+        "them (as on /api/v1/score).",
         "ScoreCompletionsRequest",
         _ref("PodScores"),
     ),
@@ -145,7 +147,8 @@ PATHS = {
         "Renders the messages with the request's chat template (in a sandbox with a CPU budget), else the "
         "model config's, else the tokenizer's own, then scores the rendered prompt. `chat_template_kwargs` "
         "are merged over the model's template variables (the caller wins). `add_generation_prompt` "
-        "defaults to false, as upstream.",
+        "defaults to false, as upstream. `cache_salt` and `mm_features` (in positions of the rendered "
+        "prompt's tokens) as on /api/v1/score.",
         "ScoreChatCompletionsRequest",
         _ref("ScoreChatCompletionsResponse"),
     ),
@@ -154,8 +157,12 @@ PATHS = {
         "scoring",
         "Score a prompt, a conversation or token ids, with detail and pod addresses",
         "Send exactly one of `prompt`, `messages` or `token_ids`. `token_ids` skips tokenization (any model "
-        "name works). `pods` restricts the answer to those pods; `lora_name` keys the blocks as vLLM does "
-        "for that adapter. Disabled pods never appear. Each pod comes with its registry `address`.",
+        "name works). `pods` restricts the answer to those pods; `lora_name`, `cache_salt` and `mm_features` "
+        "key the blocks as vLLM does for a request served with that adapter, salt and media: a pod's "
+        "salted blocks score only for the same salt, and a prompt with an image hits the blocks the image "
+        "overlaps only with the same identifier and offset. The model config's `hash_lookahead_tokens` "
+        "keys each block with the tokens after it too (a block then counts only when they follow it). "
+        "Disabled pods never appear. Each pod comes with its registry `address`.",
         "ScoreRequest",
         _ref("ScoreResponse"),
     ),

@@ -90,6 +90,7 @@ class ModelConfigSerializer(serializers.ModelSerializer):
             "other_tier_weight",
             "lora_adapters",
             "max_model_len",
+            "hash_lookahead_tokens",
             "updated_at",
         ]
         read_only_fields = ["updated_at"]

@@ -176,6 +176,8 @@ class ScoringApp:
             config=config,
             model=request.model,
             prompt=request.prompt,
+            cache_salt=request.cache_salt or None,
+            mm_features=request.multimodal_features(),
         )
         result = await self._look_up(bulk, keyed, config)
         return _Answer({pod: s.score for pod, s in result.scores.items()}, result)
@@ -191,6 +193,8 @@ class ScoringApp:
             config=config,
             model=request.model,
             chat=_chat(request, add_generation_prompt=request.add_generation_prompt),
+            cache_salt=request.cache_salt or None,
+            mm_features=request.multimodal_features(),
             sandbox=self.handles.sandbox(),
             allow_request_templates=settings.allow_request_templates,
         )
@@ -266,6 +270,8 @@ class ScoringApp:
             "config": config,
             "model": request.model,
             "lora_name": request.lora_name or None,
+            "cache_salt": request.cache_salt or None,
+            "mm_features": request.multimodal_features(),
             "pods": request.pods,
         }
         if request.token_ids:

@@ -4,8 +4,9 @@ API answers and the JSON Schema its documentation shows.
 The types are ``msgspec`` structs: decoding 2,048 token ids into a validated request costs about
 as much as parsing the JSON alone. Everything a request names is bounded before any cache,
 tokenizer or index sees it: names (model, LoRA adapter, pods) are at most 256 characters, JSON
-nesting at most ``MAX_JSON_DEPTH`` levels, a batch at most ``MAX_BATCH`` requests. A body that
-does not fit raises :class:`RequestError` with ``fields`` naming each wrong field and what to send.
+nesting at most ``MAX_JSON_DEPTH`` levels, a batch at most ``MAX_BATCH`` requests, multimodal
+features at most ``MAX_MM_FEATURES`` a request. A body that does not fit raises
+:class:`RequestError` with ``fields`` naming each wrong field and what to send.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from scoring import keys
+
 MAX_NAME_CHARS = 256
 MAX_JSON_DEPTH = 64
 MAX_BATCH = 64
 MAX_PODS = 4096
+MAX_MM_FEATURES = 64
 U64_MAX = (1 << 64) - 1
 
 ModelName = Annotated[
@@ -36,6 +40,15 @@ LoraName = Annotated[
     Meta(
         max_length=MAX_NAME_CHARS,
         description="The LoRA adapter the request will be served with (it changes every block key).",
+    ),
+]
+CacheSalt = Annotated[
+    str,
+    Meta(
+        max_length=MAX_NAME_CHARS,
+        description="The request's cache_salt, as sent to vLLM: it changes the key of the first block, "
+        "hence of every block. A pod's salted blocks score only for requests with the same salt; empty: "
+        "no salt (as vLLM).",
     ),
 ]
 Prompt = Annotated[str, Meta(min_length=1, description="The completion prompt, exactly as sent to vLLM.")]
@@ -69,6 +82,38 @@ TemplateKwargs = Annotated[
 ObjectList = list[dict[str, Any]]
 
 
+class MultimodalFeature(Struct, kw_only=True):
+    """One multimodal input of the prompt, as vLLM hashes it (``scoring.keys.MultimodalFeature``)."""
+
+    identifier: Annotated[
+        str,
+        Meta(
+            min_length=1,
+            max_length=MAX_NAME_CHARS,
+            description="vLLM's hash of the media (its request's mm_features[i].identifier).",
+        ),
+    ]
+    offset: Annotated[
+        int,
+        Meta(
+            ge=0, description="The first placeholder token of the media, a position in the prompt's tokens."
+        ),
+    ]
+    length: Annotated[int, Meta(ge=1, description="How many placeholder tokens the media takes.")]
+
+
+MultimodalFeatures = Annotated[
+    list[MultimodalFeature],
+    Meta(
+        max_length=MAX_MM_FEATURES,
+        description="The prompt's images (audio, video) in token positions of the tokens scored (the "
+        "rendered conversation's, for messages): each adds (identifier, offset) to the keys of the "
+        "blocks its placeholder tokens overlap, as vLLM keys them. A feature that ends past the prompt's "
+        "last token is a 400.",
+    ),
+]
+
+
 class RequestError(Exception):
     """A request the API refuses: ``status``, a stable ``code``, a message saying what to fix, and
     for an invalid body ``fields`` (field -> problems)."""
@@ -96,8 +141,21 @@ def invalid(fields: Mapping[str, list[str]]) -> RequestError:
 # --- the bodies ----------------------------------------------------------------------------------
 
 
-class ChatOptions(Struct, kw_only=True):
-    """The rendering options of a conversation (upstream's ``score_chat_completions`` fields)."""
+class KeyingOptions(Struct, kw_only=True):
+    """What a request adds to its block keys besides its tokens, as vLLM hashes it: every scoring
+    body takes these."""
+
+    cache_salt: CacheSalt | None = None
+    mm_features: MultimodalFeatures | None = None
+
+    def multimodal_features(self) -> tuple[keys.MultimodalFeature, ...]:
+        """``mm_features`` as the core's values (validated already: never a ``ValueError``)."""
+        return tuple(keys.MultimodalFeature(f.identifier, f.offset, f.length) for f in self.mm_features or ())
+
+
+class ChatOptions(KeyingOptions, kw_only=True):
+    """The rendering options of a conversation (upstream's ``score_chat_completions`` fields), beside
+    the keying options."""
 
     tools: ObjectList | None = None
     documents: ObjectList | None = None
@@ -107,16 +165,16 @@ class ChatOptions(Struct, kw_only=True):
     return_assistant_tokens_mask: bool = False  # accepted for compatibility; no tokens are returned
 
 
-class ScoreCompletionsRequest(Struct, kw_only=True):
-    """Upstream's ``POST /score_completions`` body."""
+class ScoreCompletionsRequest(KeyingOptions, kw_only=True):
+    """Upstream's ``POST /score_completions`` body (``cache_salt`` and ``mm_features`` are ours)."""
 
     model: ModelName
     prompt: Prompt
 
 
 class ScoreChatCompletionsRequest(ChatOptions, kw_only=True):
-    """Upstream's ``POST /score_chat_completions`` body; ``add_generation_prompt`` defaults to false
-    (as upstream)."""
+    """Upstream's ``POST /score_chat_completions`` body (``cache_salt`` and ``mm_features`` are ours);
+    ``add_generation_prompt`` defaults to false (as upstream)."""
 
     model: ModelName
     messages: Messages
@@ -270,18 +328,23 @@ def _plain(problem: str) -> str:
 
 def _check(request: Struct) -> None:
     """What the types cannot say: token ids within uint64, valid Unicode, message shapes, and
-    ``/api/v1/score``'s exactly-one-input rule."""
+    ``/api/v1/score``'s exactly-one-input rule. (Whether ``mm_features`` lie within the prompt's
+    tokens is known once it is tokenized: the read path says, ``read_path.key_token_ids``.)"""
     fields: dict[str, list[str]] = {}
     token_ids = getattr(request, "token_ids", UNSET)
     if token_ids is not UNSET and max(token_ids) > U64_MAX:
         index = next(i for i, t in enumerate(token_ids) if t > U64_MAX)
         fields["token_ids"] = [f"token_ids[{index}] = {token_ids[index]} is outside 0..2**64-1"]
-    for name in ("model", "prompt", "chat_template", "lora_name"):
+    for name in ("model", "prompt", "chat_template", "lora_name", "cache_salt"):
         value = getattr(request, name, None)
         if isinstance(value, str):
             problem = _unicode_problem(value)
             if problem:
                 fields.setdefault(name, []).append(problem)
+    for index, feature in enumerate(getattr(request, "mm_features", None) or ()):
+        problem = _unicode_problem(feature.identifier)
+        if problem:
+            fields.setdefault("mm_features", []).append(f"mm_features[{index}].identifier {problem}")
     messages = getattr(request, "messages", UNSET)
     if messages is not UNSET:
         for index, message in enumerate(messages):

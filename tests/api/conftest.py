@@ -19,7 +19,7 @@ from ingest.stats import IngestStats
 from scoring import runtime
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex, open_index
-from scoring.keys import block_keys
+from scoring.keys import ExtraKeys, block_keys
 from scoring.runtime import invalidate_service_config
 from scoring.tokenization import TokenizerRegistry
 from tests.asgi import AsgiClient
@@ -87,9 +87,13 @@ class Engines:
         tier: str = "gpu",
         model: str = MODEL,
         rank: int | None = None,
+        extra_keys: Sequence[ExtraKeys] | None = None,
+        lookahead_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> int:
-        """Cache every full block of ``token_ids`` on ``pod``; returns how many blocks."""
-        n = len(token_ids) // BLOCK_SIZE
+        """Cache every full block of ``token_ids`` on ``pod`` (or the first ``len(extra_keys)``
+        blocks, each with its extra keys as vLLM sends them; ``lookahead_token_ids`` as vLLM sends
+        them with lookahead hashing); returns how many blocks."""
+        n = len(token_ids) // BLOCK_SIZE if extra_keys is None else len(extra_keys)
         if block_hashes is None:
             block_hashes = block_keys(token_ids, seed=SEED, block_size=BLOCK_SIZE, lora_name=lora_name)
         event = BlockStored(
@@ -100,8 +104,11 @@ class Engines:
             lora_id=None,
             tier=tier,
             lora_name=lora_name,
-            extra_keys=None,
+            extra_keys=None if extra_keys is None else tuple(extra_keys),
             group_idx=None,
+            lookahead_token_ids=None
+            if lookahead_token_ids is None
+            else tuple(map(tuple, lookahead_token_ids)),
         )
         batch = EventBatch(ts=time.time(), events=(event,), data_parallel_rank=rank)
         self.applier.apply(pod=pod, model=model, seq=0, batch=batch)

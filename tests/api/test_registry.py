@@ -146,6 +146,33 @@ def test_a_bad_model_config_is_a_400_naming_the_field(staff, index):
     assert set(response.json()["error"]["fields"]) == {"block_size"}
 
 
+def test_lookahead_hashing_is_a_model_setting_of_0_to_64_tokens(staff, index):
+    created = staff.post("/api/v1/models/", {"name": MODEL}, format="json")
+    assert created.json()["hash_lookahead_tokens"] == 0
+    patched = staff.patch(f"/api/v1/models/{MODEL}/", {"hash_lookahead_tokens": 2}, format="json")
+    assert patched.status_code == 200
+    assert patched.json()["hash_lookahead_tokens"] == 2
+    assert load_service_config().model(MODEL).hash_lookahead_tokens == 2
+    for wrong in (65, -1, "two"):
+        refused = staff.patch(f"/api/v1/models/{MODEL}/", {"hash_lookahead_tokens": wrong}, format="json")
+        assert refused.status_code == 400
+        assert set(refused.json()["error"]["fields"]) == {"hash_lookahead_tokens"}
+    assert ModelConfig.objects.get().hash_lookahead_tokens == 2
+
+
+def test_a_lookahead_changed_through_the_api_keys_requests_with_it(staff, client, engines, base_capture):
+    """The pod's engine hashes with 2 lookahead tokens (its events send them): scoring finds its
+    blocks once the model config says so, and its blocks stay indexed through the change."""
+    ids = base_capture["token_ids"]
+    n = (len(ids) - 2) // 16
+    after = [ids[(i + 1) * 16 : (i + 1) * 16 + 2] for i in range(n)]
+    engines.cache("pod-a", ids, extra_keys=[None] * n, lookahead_token_ids=after)
+    assert scores(client, base_capture) == {}
+
+    staff.post("/api/v1/models/", {"name": MODEL, "hash_lookahead_tokens": 2}, format="json")
+    assert scores(client, base_capture) == {"pod-a": float(n)}
+
+
 def test_tier_weights_changed_through_the_api_score_within_5_seconds(staff, client, engines, base_capture):
     engines.cache_capture("pod-cpu", base_capture, tier="cpu")
     assert scores(client, base_capture) == {"pod-cpu": pytest.approx(25 * 0.8)}

@@ -16,9 +16,11 @@ import pytest
 import uvicorn
 
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
+from ingest.events import BlockStored
 from scoring.config import ServiceConfig
 from scoring.index import open_index
-from scoring.read_path import key_prompt
+from scoring.keys import block_keys
+from scoring.read_path import ChatRequest, key_chat, key_prompt
 from scoring.snapshot import ConfigSource
 from scoring.tokenization import TokenizerRegistry
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
@@ -179,6 +181,56 @@ def test_chat_is_templated_as_the_pod_does_and_routed_by_its_prefix(system: Syst
     matched = int(second.headers["x-kvcache-matched-blocks"])
     assert matched > 0
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (matched - 1) * BLOCK
+
+
+def salted_store(ids: list[int], salt: str) -> BlockStored:
+    """The full blocks of ``ids`` as a vLLM engine stores them for a request with ``cache_salt``."""
+    n = len(ids) // BLOCK
+    return BlockStored(
+        block_hashes=tuple(block_keys(ids, seed=SEED, cache_salt=salt)),
+        parent_block_hash=None,
+        token_ids=tuple(ids[: n * BLOCK]),
+        block_size=BLOCK,
+        extra_keys=((salt,), *[None] * (n - 1)),
+    )
+
+
+def test_a_salted_request_goes_to_the_pod_holding_its_salted_prefix(system: System) -> None:
+    """vLLM keys a request's ``cache_salt`` into its first block: the gateway keys it the same way,
+    so a salted request is routed to the pod whose events stored its salted blocks, and neither
+    the plain prompt nor another salt finds them."""
+    url = system.gateway(speculative_seconds=0.0)  # the index alone decides
+    plain_pod = complete(url, LONG).headers["x-kvcache-pod"]
+    system.applied()
+    # The simulator ignores salts: "salty" is a stub pod whose KV events (published through ingest)
+    # store the salted blocks of a prompt and of a conversation as a vLLM engine sends them.
+    upstream = Served(lambda s, r, w: _upstream(s, r, w, chunks=[b'{"stub": true}']), lifespan="off")
+    system.gateways.append(upstream)
+    system.extra["salty"] = upstream.address
+    messages = [{"role": "user", "content": LONG}]
+    common = {"tokenizers": system.tokenizers, "config": system.config(), "model": MODEL}
+    prompt_ids = key_prompt(prompt=LONG, **common).tokenization.token_ids
+    chat = ChatRequest(messages=messages, add_generation_prompt=True)  # vLLM's default, as sent below
+    chat_ids = key_chat(chat=chat, **common).tokenization.token_ids
+    system.harness.publisher("salty").send(
+        [salted_store(prompt_ids, "tenant-a"), salted_store(chat_ids, "tenant-a")], layout="map"
+    )
+    system.harness.sync("salty")
+
+    salted = complete(url, LONG, cache_salt="tenant-a")
+    assert salted.headers["x-kvcache-pod"] == "salty"
+    assert salted.headers["x-kvcache-matched-blocks"] == str(len(prompt_ids) // BLOCK)
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "cache_salt": "tenant-a"}
+    salted_chat = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert salted_chat.headers["x-kvcache-pod"] == "salty"
+    assert salted_chat.headers["x-kvcache-matched-blocks"] == str(len(chat_ids) // BLOCK)
+
+    plain = complete(url, LONG)
+    assert plain.headers["x-kvcache-pod"] == plain_pod
+    assert int(plain.headers["x-kvcache-matched-blocks"]) >= 20
+    assert complete(url, LONG, cache_salt="tenant-b").headers["x-kvcache-matched-blocks"] == "0"
+    unsalted_chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "cache_salt": None}, timeout=30)
+    assert unsalted_chat.headers["x-kvcache-matched-blocks"] == "0"
 
 
 def test_speculative_entries_keep_a_burst_together_then_expire(system: System) -> None:

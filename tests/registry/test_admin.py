@@ -69,6 +69,7 @@ def test_changing_a_block_size_needs_confirmation_and_then_clears_the_model(staf
         "tier_weights": '{"gpu": 1.0, "cpu": 0.8}',
         "other_tier_weight": "0.5",
         "lora_adapters": "[]",
+        "hash_lookahead_tokens": "0",
     }
 
     unconfirmed = staff.post(url, form)
@@ -97,11 +98,27 @@ def test_editing_a_model_without_touching_its_keys_needs_no_confirmation(staff, 
             "tier_weights": '{"gpu": 1.0, "cpu": 0.3}',
             "other_tier_weight": "0.1",
             "lora_adapters": '["Alice"]',
+            "hash_lookahead_tokens": "0",
         },
     )
     assert response.status_code == 302
     assert blocks_of(index, "pod-a") == 3
     assert service_config().model(MODEL).tier_weight("cpu") == pytest.approx(0.3)
+
+
+def test_lookahead_hashing_is_set_on_the_form_without_clearing_the_model(staff, index):
+    """The index keys blocks from the tokens their events send: a new lookahead changes only how
+    requests are keyed, so it asks no confirmation and clears nothing."""
+    config = ModelConfig.objects.create(name=MODEL, block_size=16)
+    cache_blocks(index, pod="pod-a")
+    response = staff.post(
+        f"/admin/scoring/modelconfig/{config.pk}/change/", {**MODEL_FORM, "hash_lookahead_tokens": "2"}
+    )
+    assert response.status_code == 302
+    assert blocks_of(index, "pod-a") == 3
+    assert service_config().model(MODEL).hash_lookahead_tokens == 2
+    listing = staff.get("/admin/scoring/modelconfig/").content.decode()
+    assert "hash lookahead tokens" in listing.lower()
 
 
 def test_changing_the_hash_seed_needs_confirmation_and_then_clears_the_index(staff, index):
@@ -170,6 +187,7 @@ MODEL_FORM = {
     "tier_weights": '{"gpu": 1.0, "cpu": 0.8}',
     "other_tier_weight": "0.5",
     "lora_adapters": "[]",
+    "hash_lookahead_tokens": "0",
 }
 
 
@@ -192,6 +210,7 @@ def test_a_tokenizer_source_that_does_not_load_is_refused_on_the_form(staff, ind
     [
         ({"block_size": str(2**40)}, "must be between 1 and 4096 tokens"),
         ({"chat_template": "{% for m in messages %}"}, "is not valid Jinja (line 1)"),
+        ({"hash_lookahead_tokens": "65"}, "Ensure this value is less than or equal to 64"),
     ],
 )
 def test_a_model_config_that_cannot_work_is_refused_on_the_form(staff, index, changes, message):

@@ -1,6 +1,8 @@
 """What a request gets through the read path's caches (prefix store, chain memo) is what it would
 get without them: the same token ids and block keys, for conversations that share a long prefix
-and then diverge anywhere, with the real Qwen3 tokenizer and chat template."""
+and then diverge anywhere, and for salted, multimodal and lookahead requests over a prompt the
+caches hold plain, with the real Qwen3 tokenizer and chat template. What cannot be keyed is an
+``InvalidInput`` naming the field."""
 
 from __future__ import annotations
 
@@ -11,9 +13,17 @@ import random
 import pytest
 
 from scoring.config import ModelSettings, ServiceConfig
-from scoring.keys import block_keys
+from scoring.keys import MultimodalFeature, block_keys
 from scoring.prefix_store import PrefixStore
-from scoring.read_path import BLOCK_KEY_MEMO, ChatRequest, KeyedRequest, key_chat, key_prompt
+from scoring.read_path import (
+    BLOCK_KEY_MEMO,
+    ChatRequest,
+    InvalidInput,
+    KeyedRequest,
+    key_chat,
+    key_prompt,
+    key_token_ids,
+)
 from scoring.tokenization import LoadedTokenizer, TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -133,3 +143,54 @@ def test_completion_prompts_sharing_a_prefix_get_the_uncached_keys(
         ids = qwen.encode(prompt).ids
         assert keyed.tokenization.token_ids == ids
         assert keyed.keys == block_keys(ids, seed="42")
+
+
+def test_salted_media_and_lookahead_requests_get_their_own_uncached_keys_after_plain_ones(
+    cached: TokenizerRegistry, qwen: LoadedTokenizer, system: str
+) -> None:
+    """The chain memo names a step by its extra keys, and the prefix store keeps only tokens: a
+    salted, an image or a lookahead request that follows the plain one over the same prompt (both
+    caches warm) gets the keys computed without any cache, never the plain ones."""
+    prompt = system[:4000]
+    ids = qwen.encode(prompt).ids
+    image = MultimodalFeature("img", offset=40, length=100)
+    plain = key_prompt(tokenizers=cached, config=config(), model=MODEL, prompt=prompt).keys
+    lookahead = ServiceConfig(
+        seed="42", models={MODEL: ModelSettings(name=MODEL, block_size=16, hash_lookahead_tokens=3)}
+    )
+    for options, settings, expected in [
+        ({"cache_salt": "s"}, config(), block_keys(ids, seed="42", cache_salt="s")),
+        ({"mm_features": [image]}, config(), block_keys(ids, seed="42", mm_features=[image])),
+        (
+            {"cache_salt": "s", "lora_name": "A"},
+            config(),
+            block_keys(ids, seed="42", cache_salt="s", lora_name="A"),
+        ),
+        ({}, lookahead, block_keys(ids, seed="42", lookahead_tokens=3)),
+        ({}, config(), plain),
+    ]:
+        keyed = key_prompt(tokenizers=cached, config=settings, model=MODEL, prompt=prompt, **options)
+        assert keyed.tokenization.from_prefix_store
+        assert keyed.keys == expected
+    salted = block_keys(ids, seed="42", cache_salt="s")
+    assert not set(salted) & set(plain)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        (
+            {"mm_features": [MultimodalFeature("img", offset=30, length=5)]},
+            "mm_features",
+        ),  # 32 tokens: ends at 35
+        ({"cache_salt": "\ud800"}, "cache_salt"),
+        ({"lora_name": "\udc00"}, "lora_name"),
+        ({"mm_features": [MultimodalFeature("\ud800", offset=0, length=1)]}, "mm_features"),
+        ({}, "token_ids"),
+    ],
+)
+def test_what_cannot_be_keyed_is_invalid_input_naming_the_field(options: dict, field: str) -> None:
+    token_ids = list(range(32)) if field != "token_ids" else [*range(31), 2**64]
+    with pytest.raises(InvalidInput) as raised:
+        key_token_ids(config=config(), model=MODEL, token_ids=token_ids, memo=None, **options)
+    assert raised.value.field == field
