@@ -29,6 +29,10 @@ with an empty index of its own): the memory backend is measured with one worker 
 configuration is timed, one request per case must score all 16 pods; during the runs, every 200
 answer must name a pod: no row measures a miss without saying so.
 
+Before each run the server must be idle (under 5% of a core for 0.3 s): a run that leaves work
+queued (cold prompts at c=64 still tokenizing after wrk closed its connections) would otherwise
+slow the next one.
+
 Cases (``/api/v1/score``, ``/score_completions``, ``/healthz`` as in the README):
 
 * ``token_ids 2k`` (and ``token_ids 8k`` at c=1): the ids of one indexed prompt, no tokenizing;
@@ -416,6 +420,32 @@ class Server:
         with contextlib.suppress(ProcessLookupError):  # the leader or any worker it left behind
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by every process of the server's group (leader and workers)."""
+        if self.proc is None:
+            return 0.0
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rpartition(")")[2].split()
+                if int(fields[2]) == self.proc.pid:  # the process group
+                    total += int(fields[11]) + int(fields[12])  # utime + stime, in ticks
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def settle(self, *, busy: float = 0.05, window: float = 0.3, limit: float = 15.0) -> float:
+        """Wait until the server uses under ``busy`` of a core over ``window`` seconds (the work a
+        run left queued, e.g. cold prompts still tokenizing after wrk closed its connections,
+        must not land in the next run); at most ``limit`` seconds. Returns the seconds waited."""
+        started = time.monotonic()
+        before = self.cpu_seconds()
+        while time.monotonic() - started < limit:
+            time.sleep(window)
+            now = self.cpu_seconds()
+            if now - before < busy * window:
+                break
+            before = now
+        return time.monotonic() - started
 
     def restart(self) -> None:
         """Stop, then start again on a new port (a killed worker may hold the old one a while)."""
@@ -907,6 +937,8 @@ def measure_config(
     for c in concurrency:
         for case in cases:
             if c in case.concurrency:
+                if server is not None:
+                    server.settle()  # what the previous run left queued is done before this one
                 rows.append(row_of(config, case, c, wrk.run(case, c)))
                 print_progress(rows[-1])
     isolation = [] if args.no_isolation else measure_isolation(config, server, wrk, cases[0], workload)
