@@ -357,6 +357,9 @@ def test_a_gap_that_cannot_be_replayed_clears_the_pod(fx: Fixture, why: str) -> 
     engine.store()
     fx.sync(engine)
     assert fx.held(engine) == 2
+    # Without a replay endpoint, the warm-up's first publish may already have been lost (ZeroMQ
+    # drops what a PUB sends before its subscription arrives) and counted: count from here.
+    failures, clears = fx.stream("pod-a").replay_failures[why], fx.stream("pod-a").lost_state_clears
     if why == "timeout":
         silent = fx.context.socket(zmq.ROUTER)
         silent.setsockopt(zmq.LINGER, 0)
@@ -367,8 +370,8 @@ def test_a_gap_that_cannot_be_replayed_clears_the_pod(fx: Fixture, why: str) -> 
     fx.sync(engine)
 
     stream = fx.stream("pod-a")
-    assert stream.replay_failures == {why: 1}
-    assert stream.lost_state_clears == 1
+    assert stream.replay_failures == {why: failures + 1}
+    assert stream.lost_state_clears == clears + 1
     assert fx.held(engine) == 0  # block 0's store was lost with the clear: missing, not stale
     if why == "timeout":
         silent.close()
