@@ -31,6 +31,7 @@ help:
 	@echo "make lint   - ruff check and format check"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
 	@echo "make bench-peers - the peer routers (vllm-router, sglang-router) into var/peers"
+	@echo "make conformance - vLLM 0.33's own KV-cache manager and publisher against ingest and scoring"
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +43,12 @@ $(VENV)/.installed: requirements.txt | $(BIN)/activate
 install: $(VENV)/.installed node-deps
 
 # Debian packages the stack or the tests need; installed only when missing. Chromium (and a
-# font for it to render text with) drives the dashboard's browser test.
+# font for it to render text with) drives the dashboard's browser test. promtool checks and
+# unit-tests the alert rules (tests/deploy/test_promtool.py, docs/monitoring.md). Debian ships it
+# only inside `prometheus` (12 packages, ~100 MB), whose post-install enables and starts a
+# Prometheus server, so only its promtool (one 48 MB binary, needing only libc) is taken from
+# that package's .deb into /usr/local/bin (apt-get download checks it against the signed index;
+# as root without apt's _apt sandbox, which could not write to the temporary directory).
 system-deps:
 	@if [ ! -x /usr/bin/chromium ]; then \
 	  sudo=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
@@ -50,6 +56,17 @@ system-deps:
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	    chromium fonts-dejavu-core; \
+	fi
+	@if ! command -v promtool >/dev/null; then \
+	  sudo=sudo sandbox=; \
+	  if [ "$$(id -u)" -eq 0 ]; then sudo= sandbox="-o APT::Sandbox::User=root"; fi; \
+	  echo "system-deps: installing promtool from Debian's prometheus package"; \
+	  deb=$$(mktemp -d) && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	  (cd $$deb && apt-get download -q $$sandbox prometheus) && \
+	  dpkg-deb --fsys-tarfile $$deb/prometheus_*.deb | tar -xO ./usr/bin/promtool > $$deb/promtool && \
+	  $$sudo install -m 0755 $$deb/promtool /usr/local/bin/promtool; \
+	  status=$$?; rm -rf $$deb; exit $$status; \
 	fi
 
 # Front-end libraries (package-lock.json) into node_modules/; re-run when the lock file changes.
@@ -137,3 +154,21 @@ freeze:
 
 clean:
 	rm -rf $(VENV) var staticfiles .pytest_cache .ruff_cache .hypothesis
+
+# `make conformance`: vLLM 0.33.0's own KVCacheManager and ZmqEventPublisher (three pods per
+# scenario) publish into a running `ingest`; per request and pod, our score must equal the blocks
+# vLLM's cache holds (conformance/, README "Conformance with vLLM 0.33"). vLLM runs on the CPU in a
+# venv of its own, var/conformance: exactly the pins of conformance/requirements.txt, installed
+# without dependency resolution (vLLM's own metadata asks for CUDA builds), torch being the CPU
+# 2.13.0 on this machine's disk. About 2 minutes and 2.2 GB once; nothing to do while the stamp is
+# newer than the requirements. The suite itself takes about 2 minutes.
+CONFORMANCE_VENV := var/conformance
+
+$(CONFORMANCE_VENV)/.installed: conformance/requirements.txt
+	$(PYTHON) -m venv $(CONFORMANCE_VENV)
+	$(CONFORMANCE_VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r conformance/requirements.txt
+	touch $@
+
+.PHONY: conformance
+conformance: $(VENV)/.installed $(CONFORMANCE_VENV)/.installed
+	KVCACHE_PYTHON=$(CURDIR)/$(PY) $(CONFORMANCE_VENV)/bin/python -m pytest conformance

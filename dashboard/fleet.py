@@ -248,16 +248,21 @@ class ScoreRates:
 
 @dataclass(frozen=True, slots=True)
 class ScoreCounters:
-    """Cumulative scoring counters of this web process (``hits`` None: no such counter)."""
+    """Cumulative counts of requests scored or routed, and of those that found a cached prefix
+    (``hits`` None: no such counter)."""
 
     requests: float
     hits: float | None
 
     def rates_since(self, before: ScoreCounters, *, seconds: float) -> ScoreRates:
+        """Requests per second and the share that hit since ``before``. A gateway counts a hit
+        when the pod starts answering and the request when the answer ends, so an interval can
+        see more hits than requests: the hit rate is capped at 1, as in the history and the
+        gateway rows."""
         requests = _delta(self.requests, before.requests)
         hit_rate = None
         if self.hits is not None and before.hits is not None and requests > 0:
-            hit_rate = _delta(self.hits, before.hits) / requests
+            hit_rate = min(1.0, _delta(self.hits, before.hits) / requests)
         return ScoreRates(requests_per_s=requests / seconds if seconds > 0 else 0.0, hit_rate=hit_rate)
 
 

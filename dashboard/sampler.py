@@ -64,7 +64,8 @@ class FleetSampler:
     """``min_interval``: a frame younger than this is reused. ``stale_after``: seconds without an
     event before a pod is no longer active.
     ``group_silence``: seconds without a channel-layer delivery before Redis is read instead.
-    ``metrics``: where the scoring counters are read (``selectors.scoring_counters``).
+    ``metrics``: where the scoring counters are read (``selectors.scoring_counters``): every
+    web worker's in production (``selectors.all_workers_metrics``).
     ``gateway_window``: seconds of gateway scrapes kept for their recent numbers."""
 
     def __init__(
@@ -232,6 +233,7 @@ def get_sampler() -> FleetSampler:
                 # gets a fresh frame while N dashboards still cost one build per interval.
                 min_interval=settings.DASHBOARD_PUSH_SECONDS * 0.9,
                 stale_after=settings.DASHBOARD_STALE_SECONDS,
+                metrics=selectors.all_workers_metrics(),
             )
         return _sampler
 

@@ -1,11 +1,13 @@
 """Reads the dashboard makes of the rest of the system: the registry, the index, the ingest
 snapshots and the history shared through Redis, the scoring API's Prometheus counters and the
 gateways' ``/metrics``. Each returns plain values (``dashboard.fleet`` and ``dashboard.gateways`` types);
-none writes."""
+none writes. The dashboard's totals count the scoring requests of every worker of ``manage.py serve``
+(``all_workers_metrics``)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -14,6 +16,7 @@ import httpx
 import redis
 from django.conf import settings
 from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from dashboard.fleet import RegistryPod, ScoreCounters
 from dashboard.gateways import GatewayScrape, gateway_traffic, parse_gateway_metrics
@@ -87,11 +90,23 @@ def scrape_gateways() -> list[GatewayScrape]:
     return scrapes
 
 
+def all_workers_metrics() -> CollectorRegistry:
+    """Where the dashboard's totals read the scoring counters: when ``manage.py serve`` runs
+    several workers (it sets ``PROMETHEUS_MULTIPROC_DIR``), every worker's, summed from their
+    files by prometheus_client's ``MultiProcessCollector`` as ``/metrics`` sums them (a worker that
+    exited still counts, so the totals never go back); else this process's registry."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return REGISTRY
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    return registry
+
+
 def routing_counters(
     registry: CollectorRegistry = REGISTRY, *, gateways: Iterable[GatewayScrape] = ()
 ) -> ScoreCounters | None:
-    """This process's scoring API and the gateways (their scrapes) together: every request a
-    prefix was looked up for, and those that found one."""
+    """The scoring API's counters in ``registry`` and the gateways (their scrapes) together:
+    every request a prefix was looked up for, and those that found one."""
     parts = [c for c in (scoring_counters(registry), gateway_traffic(gateways)) if c is not None]
     if not parts:
         return None
@@ -100,9 +115,10 @@ def routing_counters(
 
 
 def scoring_counters(registry: CollectorRegistry = REGISTRY) -> ScoreCounters | None:
-    """Cumulative scoring requests and hits of this process, read from ``registry`` (see
-    ``SCORE_METRIC_PREFIXES``); None while there is no requests counter (the scoring API has not
-    registered it, or this process does not serve it), ``hits`` None while there is no hits one."""
+    """Cumulative scoring requests and hits read from ``registry`` (see ``SCORE_METRIC_PREFIXES``):
+    this process's with the default registry, every worker's with ``all_workers_metrics()``; None
+    while there is no requests counter (the scoring API has not registered it or counted a request,
+    or this process does not serve it), ``hits`` None while there is no hits one."""
     requests = hits = None
     for family in registry.collect():
         if not family.name.startswith(SCORE_METRIC_PREFIXES):

@@ -34,7 +34,8 @@ def publish_once(
 ) -> list[str]:
     """Publish this process's scoring counters (read from ``registry``; none before the score API
     registered them) and those of every gateway that answered ``gateways``' scrapes; returns
-    the sources published."""
+    the sources published. Its own, not every worker's (``selectors.all_workers_metrics``, what the
+    totals read): each worker publishes its own and the history sums the sources."""
     published = []
     own = selectors.scoring_counters(registry)
     if own is not None:

@@ -204,6 +204,12 @@ def test_no_scoring_request_in_the_interval_has_no_hit_rate():
     assert same.rates_since(same, seconds=1.0).hit_rate is None
 
 
+def test_hits_counted_before_their_requests_end_give_a_hit_rate_of_at_most_one():
+    # A gateway counts the hit when the pod starts answering, the request when the answer ends.
+    rates = ScoreCounters(requests=11, hits=12).rates_since(ScoreCounters(requests=10, hits=10), seconds=1.0)
+    assert rates.hit_rate == 1.0
+
+
 def test_without_a_hits_counter_the_hit_rate_is_unknown_not_zero():
     rates = ScoreCounters(requests=20, hits=None).rates_since(
         ScoreCounters(requests=10, hits=None), seconds=2
