@@ -187,10 +187,13 @@ KVCACHE_INGEST_INDEX_TIMEOUT = float(os.environ.get("KVCACHE_INGEST_INDEX_TIMEOU
 KVCACHE_HASH_SEED = os.environ.get("KVCACHE_HASH_SEED", os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
 KVCACHE_BLOCK_SIZE = int(os.environ.get("KVCACHE_BLOCK_SIZE", "16"))
 
+# channels-redis waits for a message with a 5 s blocking pop; redis-py's default socket timeout is
+# 5 s too, so a quiet channel (no ingest snapshot for 5 s) ended the dashboard's websocket. The
+# socket must outwait the pop (a socket_timeout in REDIS_URL's query still wins).
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL]},
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15}]},
     }
 }
 
