@@ -125,3 +125,23 @@ def test_sigterm_under_load_drains_and_exits_0_within_10_seconds(server):
     assert code == 0
     assert elapsed < 10.0
     assert answered.count(200) > 200
+
+
+@pytest.mark.parametrize(("command", "stop"), [("serve", signal.SIGTERM), ("gateway", signal.SIGINT)])
+def test_one_worker_asked_to_stop_exits_0(tmp_path: Path, redis_url: str, command: str, stop: int) -> None:
+    """uvicorn with one worker re-raises the signal it caught once it has stopped: the process
+    must still exit 0 (under ``make run`` a stop that was asked for is a clean stop)."""
+    env = service_env(tmp_path, redis_url, HF_HUB_OFFLINE="1")
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
+    port = free_port()
+    process = Process(
+        [sys.executable, "manage.py", command, "--port", str(port), "--workers", "1"], env, tmp_path / "log"
+    )
+    process.start()
+    try:
+        ready = "/healthz" if command == "serve" else "/health"
+        wait_until(lambda: _status(port, "GET", ready) == 200, timeout=30, what=f"{command} to answer")
+        process.proc.send_signal(stop)
+        assert process.proc.wait(timeout=15) == 0
+    finally:
+        process.stop()

@@ -6,6 +6,9 @@ import io
 import json
 import os
 import shlex
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,9 @@ from simulator.loadgen.report import LEGEND
 from simulator.loadgen.runner import default_score_url
 from simulator.management.commands.loadgen import Command
 from tests.loadgen.conftest import API_KEY
+from tests.servers import free_port, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL_RUN = (
     "--qps", "40", "--requests", "2", "--groups", "2", "--system-prompt-tokens", "100",
@@ -130,3 +136,27 @@ def test_the_demo_load_of_make_run_resets_its_fleet_and_scores_on_the_web_port(m
 def test_command_says_what_to_fix(args, message):
     with pytest.raises(CommandError, match=message):
         run_command(*args)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (``SigCgt`` in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_asked_to_stop_mid_run_it_says_so_and_exits_0(stop: int) -> None:
+    """``make run`` stops the demo load with SIGTERM (Ctrl-C in a terminal is SIGINT): a clean end."""
+    argv = [sys.executable, "manage.py", "loadgen", "--target", f"http://127.0.0.1:{free_port()}"]
+    argv += ["--model", "m", "--qps", "2", "--duration", "600", "--no-progress"]
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: _catches(process.pid, signal.SIGTERM), timeout=60, what="loadgen's handlers")
+        process.send_signal(stop)
+        _, err = process.communicate(timeout=15)
+    finally:
+        process.kill()
+    assert process.returncode == 0
+    assert f"loadgen: {signal.Signals(stop).name}: stopped before the end of the run" in err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,10 @@ def run_server(
     if workers > 1:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_fresh_metrics_dir(port))
     command.stdout.write(f"Serving {application} on http://{host}:{port} with {workers} worker(s)")
+    # After a graceful stop, uvicorn re-raises the SIGTERM or SIGINT it caught (with one worker), so
+    # the process would die by that signal: a stop that was asked for exits 0 instead.
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, _exit_zero)
     uvicorn.run(
         application,
         host=host,
@@ -89,6 +94,10 @@ def run_server(
         log_level="info",
         proxy_headers=False,
     )
+
+
+def _exit_zero(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def _fresh_metrics_dir(port: int) -> Path:
