@@ -155,6 +155,15 @@ def read_history(client: redis.Redis, level: HistoryLevel, *, after: float) -> l
     return points
 
 
+DECODE_ERROR_REASONS = (
+    # Decoding (``ingest.events.REASONS``), then what the applier refuses in a decoded event.
+    *("frames", "topic", "seq", "msgpack", "batch", "event", "unknown_tag", "field", "too_large"),
+    *("too_many_events", "too_many_blocks", "too_many_pods", "token_count", "rechunk_extras"),
+)
+"""Every reason ``kvcache_ingest_decode_errors_total`` counts. Each is exported from 0, for every
+stream and for input no pod can be named for: a counter that first appeared at its first error
+would hide that error from ``increase()`` (and from the decode-error alert)."""
+
 _STREAM_COUNTERS = (
     ("batches", "kvcache_ingest_batches_total", "Event batches received."),
     ("events", "kvcache_ingest_events_total", "Events decoded."),
@@ -178,6 +187,15 @@ _STREAM_COUNTERS = (
 )
 
 
+def _from_zero(counts: dict[str, int]) -> Iterator[tuple[str, int]]:
+    """Every known reason with its count (0 when none yet), then any other reason counted."""
+    for reason in DECODE_ERROR_REASONS:
+        yield reason, counts.get(reason, 0)
+    for reason, n in counts.items():
+        if reason not in DECODE_ERROR_REASONS:
+            yield reason, n
+
+
 def collect_families(snapshots: Iterable[dict], unattributed: dict[str, int]) -> Iterator:
     """Prometheus metric families from stream snapshots (``StreamStats.as_dict`` shape)."""
     snapshots = list(snapshots)
@@ -191,9 +209,10 @@ def collect_families(snapshots: Iterable[dict], unattributed: dict[str, int]) ->
         "kvcache_ingest_decode_errors", "Malformed or skipped input, by reason.", labels=[*labels, "reason"]
     )
     for s in snapshots:
-        for reason, n in s["decode_errors"].items():
-            errors.add_metric([s["pod"], str(s["rank"]), s["model"], reason], n)
-    for reason, n in unattributed.items():
+        stream = [s["pod"], str(s["rank"]), s["model"]]
+        for reason, n in _from_zero(s["decode_errors"]):
+            errors.add_metric([*stream, reason], n)
+    for reason, n in _from_zero(unattributed):
         errors.add_metric(["", "", "", reason], n)
     yield errors
     failed = CounterMetricFamily(
