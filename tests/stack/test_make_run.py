@@ -131,6 +131,9 @@ def test_make_run_on_non_default_ports_indexes_the_fleet_and_stops_in_order_on_c
         )
         assert lines[line_of("all processes stopped")].endswith("all processes stopped; exit status 0")
         assert "not essential" not in out  # nothing ended before Ctrl-C
+        stopped = dict(re.findall(r"\| (\w+) stopped \((.+)\)$", out, re.MULTILINE))
+        assert set(stopped) == {"loadgen", "sim", "web", "gateway", "ingest", "redis"}, out
+        assert set(stopped.values()) == {"exit code 0"}, stopped  # every process exits 0
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGKILL)
