@@ -3,7 +3,7 @@
 | variable | default | meaning |
 |---|---|---|
 | REDIS_URL | redis://127.0.0.1:6379/0 | the shared index and the channel layer |
-| KVCACHE_INDEX_BACKEND | redis | ``redis`` (shared), or ``memory`` / ``memory://?max_bytes=2GiB`` |
+| KVCACHE_INDEX_BACKEND | redis | ``redis``, ``redis-cluster://h:p,h:p``, ``memory`` or ``memory://?...`` |
 | KVCACHE_INDEX_TIMEOUT | 1.0 | seconds a Redis index may take to connect or reply (then 503) |
 | KVCACHE_INGEST_INDEX_TIMEOUT | 10.0 | the same for ``ingest``, whose writes may queue behind others |
 | DATABASE_URL | sqlite:///var/db.sqlite3 | pod registry, model configs, hash seed |

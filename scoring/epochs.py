@@ -2,11 +2,13 @@
 
 Ingest keeps one marker per model in the index (``KVIndex.set_epoch``), ``"<token> <state>"``,
 beside the model's blocks, so it vanishes with them: a server restarted empty, a flush, a
-failover to an empty replica. Ingest checks the markers every half second; a marker gone (or
-replaced by another process's token) means the model's data is gone. Ingest then writes a new
-token in state ``resyncing``, rebuilds the model from the engines' replay buffers, and writes
-``ready``. Readers (``/readyz``, metrics, the dashboard) say "index resyncing" while a marker
-says so, or while a marker they saw has vanished and ingest has not yet written a new one.
+failover to an empty replica. (In a cluster the model's blocks span every master, so the marker
+does too: it reads as gone when any master lost its data; ``scoring.index.cluster``.) Ingest
+checks the markers every half second; a marker gone (or replaced by another process's token)
+means the model's data is gone. Ingest then writes a new token in state ``resyncing``, rebuilds
+the model from the engines' replay buffers, and writes ``ready``. Readers (``/readyz``, metrics,
+the dashboard) say "index resyncing" while a marker says so, or while a marker they saw has
+vanished and ingest has not yet written a new one.
 """
 
 from __future__ import annotations

@@ -57,21 +57,27 @@ _index_lock = threading.Lock()
 
 def index_url() -> str:
     """The index this process opens: ``redis`` -> ``REDIS_URL``; ``memory`` or a
-    ``memory://?max_keys=..&max_bytes=2GiB`` URL -> an in-process index with those bounds."""
+    ``memory://?max_keys=..&max_bytes=2GiB`` URL -> an in-process index with those bounds;
+    ``redis-cluster://host:port[,host:port...]`` -> a Valkey / Redis Cluster, those its seed
+    nodes (the channel layer stays on ``REDIS_URL``)."""
     backend = settings.KVCACHE_INDEX_BACKEND
     if backend == "memory":
         return "memory://"
-    if backend.startswith("memory://"):
+    if backend.startswith(("memory://", "redis-cluster://")):
         return backend
     if backend == "redis":
         return settings.REDIS_URL
-    raise ValueError(f"KVCACHE_INDEX_BACKEND must be 'redis', 'memory' or a memory:// URL, not {backend!r}")
+    raise ValueError(
+        "KVCACHE_INDEX_BACKEND must be 'redis', 'memory' or a memory:// URL (or a redis-cluster:// URL "
+        f"of seed nodes), not {backend!r}"
+    )
 
 
 def connect_index(*, timeout: float) -> KVIndex:
     """A new handle on the index ``index_url`` names. A Redis index gives up on connecting or on a
-    reply after ``timeout`` seconds (``IndexUnavailable``), unless ``REDIS_URL`` sets
-    ``socket_timeout`` or ``socket_connect_timeout`` itself: the URL wins."""
+    reply after ``timeout`` seconds (``IndexUnavailable``), unless its URL (``REDIS_URL``, or the
+    ``redis-cluster://`` URL) sets ``socket_timeout`` or ``socket_connect_timeout`` itself: the
+    URL wins."""
     url = index_url()
     if url.startswith("memory://"):
         return open_index(url)

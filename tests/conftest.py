@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.servers import FIXTURES, RedisServer
+from tests.servers import FIXTURES, RedisServer, ValkeyCluster
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,21 @@ def redis_url(redis_server: RedisServer) -> str:
     """A clean Redis-compatible server for one test."""
     redis_server.flush()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[ValkeyCluster]:
+    """A Valkey Cluster of 3 masters (no replicas), started the first time a test asks for it."""
+    cluster = ValkeyCluster(masters=3)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: ValkeyCluster) -> str:
+    """A clean cluster for one test: its ``redis-cluster://`` URL (every master as a seed)."""
+    redis_cluster.flush()
+    return redis_cluster.url
 
 
 def load_capture(name: str) -> dict:

@@ -111,3 +111,158 @@ class RedisServer:
 FIXTURES = Path(
     os.environ.get("KVCACHE_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures")
 )
+
+
+class ValkeyCluster:
+    """A throwaway Valkey Cluster on loopback: ``masters`` masters with ``replicas`` replicas each,
+    no persistence. Slots are assigned (contiguous, equal ranges), nodes met and replicas attached
+    from Python (``CLUSTER ADDSLOTSRANGE``, ``MEET``, ``REPLICATE``), no external tool.
+    ``node_timeout_ms`` is how long a master may be unreachable before its replica takes over."""
+
+    def __init__(self, *, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvtest-cluster-")
+        self.ports = [free_port() for _ in range(masters * (1 + replicas))]
+        self.bus_ports = {
+            port: free_port() for port in self.ports
+        }  # the default, port + 10000, may not exist
+        self.procs: dict[int, subprocess.Popen] = {}
+        try:
+            for port in self.ports:
+                self.procs[port] = self._start(port, node_timeout_ms)
+            self.clients = {port: redis.Redis(host="127.0.0.1", port=port) for port in self.ports}
+            for port in self.ports:
+                wait_until(lambda p=port: self._answers(p), timeout=10, what=f"cluster node {port}")
+            self.ids = {
+                port: self.clients[port].execute_command("CLUSTER", "MYID").decode() for port in self.ports
+            }
+            master_ports = self.ports[:masters]
+            for n, port in enumerate(master_ports):
+                first, last = n * 16384 // masters, (n + 1) * 16384 // masters - 1
+                self.clients[port].execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+            for port in self.ports[1:]:
+                self.clients[port].execute_command(
+                    "CLUSTER", "MEET", "127.0.0.1", self.ports[0], self.bus_ports[self.ports[0]]
+                )
+            wait_until(self._all_known, timeout=20, what="every cluster node to know every other")
+            for n, port in enumerate(self.ports[masters:]):
+                master = master_ports[n % masters]
+                self.clients[port].execute_command("CLUSTER", "REPLICATE", self.ids[master])
+            wait_until(self._ready, timeout=20, what="cluster_state:ok and replicas in sync")
+        except BaseException:
+            self.stop()
+            raise
+        self.url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in master_ports)
+
+    def _start(self, port: int, node_timeout_ms: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                redis_server_binary(),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{port}.conf",
+                "--cluster-node-timeout",
+                str(node_timeout_ms),
+                "--cluster-port",
+                str(self.bus_ports[port]),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def _answers(self, port: int) -> bool:
+        try:
+            return bool(self.clients[port].ping())
+        except redis.ConnectionError:
+            if self.procs[port].poll() is not None:
+                raise RuntimeError(f"cluster node {port} exited") from None
+            return False
+
+    def _all_known(self) -> bool:
+        """Every node lists every node, each with its link up (the 8th field of CLUSTER NODES)."""
+        for port in self.ports:
+            lines = self.clients[port].execute_command("CLUSTER", "NODES").splitlines()
+            if sum(1 for line in lines if line.split()[7] == b"connected") < len(self.ports):
+                return False
+        return True
+
+    def _ready(self) -> bool:
+        for port in self.live_ports():
+            if b"cluster_state:ok" not in self.clients[port].execute_command("CLUSTER", "INFO"):
+                return False
+        for port in self.replica_ports():
+            if self.clients[port].info("replication").get("master_link_status") != "up":
+                return False
+        return True
+
+    def live_ports(self) -> list[int]:
+        return [p for p in self.ports if self.procs[p].poll() is None]
+
+    def roles(self) -> dict[int, str]:
+        """Each live node's role as the node itself says: "master" or "slave"."""
+        return {p: self.clients[p].info("replication")["role"] for p in self.live_ports()}
+
+    def master_ports(self) -> list[int]:
+        return [p for p, role in self.roles().items() if role == "master"]
+
+    def replica_ports(self) -> list[int]:
+        return [p for p, role in self.roles().items() if role != "master"]
+
+    def flush(self) -> None:
+        """Every master (so every replica) emptied; the cluster otherwise as it is."""
+        for port in self.master_ports():
+            self.clients[port].flushall()
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node: a crash, no goodbye to the others."""
+        self.procs[port].kill()
+        self.procs[port].wait(5)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+        for proc in self.procs.values():
+            proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def owner(self, slot: int) -> int:
+        """The port of the master serving ``slot``."""
+        for first, last, master, *_ in self.clients[self.master_ports()[0]].execute_command(
+            "CLUSTER", "SLOTS"
+        ):
+            if first <= slot <= last:
+                return int(master[1])
+        raise LookupError(f"no master serves slot {slot}")
+
+    def migrate_slot(self, slot: int, to: int, *, finish: bool = True, leave: int = 1) -> None:
+        """Move ``slot`` to master ``to`` the classic way (``SETSLOT IMPORTING / MIGRATING``,
+        ``MIGRATE`` of its keys, ``SETSLOT NODE``); ``finish=False`` stops half way: the slot
+        migrating, all its keys moved but ``leave`` of them."""
+        source = self.owner(slot)
+        src, dst = self.clients[source], self.clients[to]
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.ids[source])
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.ids[to])
+        keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100_000)
+        moving = keys if finish else keys[leave:]
+        if moving:
+            src.execute_command("MIGRATE", "127.0.0.1", to, "", 0, 5000, "KEYS", *moving)
+        if finish:
+            self.finish_migration(slot, to)
+
+    def finish_migration(self, slot: int, to: int) -> None:
+        source = self.owner(slot)
+        keys = self.clients[source].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100_000)
+        if keys:
+            self.clients[source].execute_command("MIGRATE", "127.0.0.1", to, "", 0, 5000, "KEYS", *keys)
+        for port in sorted(self.master_ports(), key=lambda p: (p != to, p != source)):  # to, source, rest
+            self.clients[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", self.ids[to])

@@ -1,7 +1,8 @@
 """The KV-block index: which pod holds which block key, on which tier.
 
 One interface (``KVIndex`` in ``base``), one module per backend: ``memory`` (in-process, bounded
-LRU) and ``redis`` (shared between processes and replicas). Both pass ``tests/index``.
+LRU), ``redis`` (one Redis / Valkey server, shared between processes and replicas) and ``cluster``
+(a Valkey / Redis Cluster: one model spread over every master). All pass ``tests/index``.
 ``open_index`` picks the backend from a URL.
 """
 
@@ -38,6 +39,9 @@ def open_index(url: str, **options: Any) -> KVIndex:
     * ``redis://``, ``rediss://``, ``unix://`` -> ``RedisIndex.from_url(url, **options)``
       (``namespace`` and ``slice_blocks`` are the index's own options); redis-py reads
       connection settings from the URL's query (e.g. ``?socket_timeout=1``).
+    * ``redis-cluster://host:port[,host:port...]`` -> ``RedisClusterIndex.from_url(url, **options)``:
+      seed nodes of a cluster (the same index options; ``socket_timeout``,
+      ``socket_connect_timeout``, ``wait_replicas`` and ``wait_timeout`` in the query).
 
     Raises ``ValueError`` for another scheme or an unknown or malformed memory option.
     """
@@ -64,4 +68,10 @@ def open_index(url: str, **options: Any) -> KVIndex:
         from scoring.index.redis import RedisIndex  # redis-py only when a Redis index is used
 
         return RedisIndex.from_url(url, **options)
-    raise ValueError(f"unsupported index URL {url!r}: use memory://, redis://, rediss:// or unix://")
+    if scheme == "redis-cluster":
+        from scoring.index.cluster import RedisClusterIndex
+
+        return RedisClusterIndex.from_url(url, **options)
+    raise ValueError(
+        f"unsupported index URL {url!r}: use memory://, redis://, rediss://, unix:// or redis-cluster://"
+    )

@@ -24,7 +24,9 @@ or remove of more than the backend's ``slice_blocks`` blocks or engine hashes is
 several slices of at most that many, and a ``clear_pod`` (``clear_model``) removes at most that
 many entries per slice. Each slice is atomic and keeps every invariant; a reader may see a prefix
 of the slices of one update applied. Updates and slices are applied in order, and a store or
-remove of at most ``slice_blocks`` is one slice, so atomic.
+remove of at most ``slice_blocks`` is one slice, so atomic. (A cluster spreads one slice's blocks
+over several masters, each written at its own moment: there a reader may also see part of a
+slice; ``cluster``'s module docstring says what still holds.)
 """
 
 from __future__ import annotations

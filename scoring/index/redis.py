@@ -1,4 +1,5 @@
-"""Redis / Valkey index: shared between processes and replicas, atomic, Cluster-ready.
+"""Redis / Valkey index on one server: shared between processes and replicas, atomic. (For a
+Valkey or Redis Cluster, ``cluster`` spreads each model over every master.)
 
 Key layout (``kv`` is the ``namespace`` option; ``M``, ``P``, ``T`` are the model, pod and tier
 percent-encoded by ``encode_name``; ``K`` is a block key as 16 lower-case hex digits)::
@@ -26,8 +27,11 @@ Why it is safe:
   name never contains ``@``, ``:``, ``{``, ``}``, ``/`` or a space; "" encodes to ``%``, which no
   other name encodes to. Model ``a@b`` with pod ``c`` and model ``a`` with pod ``b@c`` therefore
   never share a key or an entry.
-* Cluster: every key of one model carries the hash tag ``{M}`` (never empty, never containing
-  ``}``), so all of them live in one slot: the ``MGET`` and every script touch one slot. Some
+* One slot: every key of one model carries the hash tag ``{M}`` (never empty, never containing
+  ``}``), so all of them would live in one slot of a cluster: the ``MGET`` and every script touch
+  one slot. That keeps each slice one atomic script, but a cluster would hold a whole model on
+  one node (and ``redis.Redis`` does not follow a cluster's redirections): ``cluster`` is the
+  layout for a cluster, at the price of phases (its module docstring). Some
   scripts reach keys they find in the data (a block through the engine map, a reverse set
   through the pods set) or are given as arguments (the ``seq`` hash of a ``Progress``); those
   are not declared in ``KEYS`` but share the tag, which Redis and

@@ -54,14 +54,17 @@ def api_process(db, settings, tokenizers: TokenizerRegistry) -> Iterator[None]:
     runtime.set_tokenizers(None)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def index(request: pytest.FixtureRequest, settings) -> Iterator[KVIndex]:
     """Each backend in turn, installed as the process's index."""
     if request.param == "memory":
         idx = open_index("memory://")
     else:
         url = request.getfixturevalue("redis_url")
-        settings.REDIS_URL = url  # the ingest stats live beside the index
+        settings.REDIS_URL = url  # the ingest stats live there (beside a single-server index)
+        if request.param == "redis-cluster":
+            url = request.getfixturevalue("redis_cluster_url")
+            settings.KVCACHE_INDEX_BACKEND = url
         idx = open_index(url)
     runtime.set_index(idx)
     yield idx

@@ -35,3 +35,53 @@ def keys(blocks: list[StoredBlock]) -> list[int]:
 
 def hashes(blocks: list[StoredBlock]) -> list[int]:
     return [b.engine_hash for b in blocks]
+
+
+def assert_cluster_consistent(masters: list) -> None:
+    """The invariants of ``scoring.index.cluster``, read straight from every master (plain
+    ``redis.Redis`` clients), once no write is in flight: block entries and reverse entries are
+    the same set, no dirty entry or lease is left, the tier counts count the reverse sets, and
+    each holder's engine map is the inverse of its key -> hashes map and points at held keys."""
+    blocks: set[tuple[bytes, bytes, bytes]] = set()  # (model, K, "P@T")
+    reverse: set[tuple[bytes, bytes, bytes]] = set()
+    counts: dict[tuple[bytes, bytes], dict[bytes, int]] = {}  # (model, P) -> tier -> count
+    engine_maps: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}
+    hashes_of: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}
+    leftovers = []
+    for server in masters:
+        for name in server.scan_iter(match=b"kv:*", count=1000):
+            if b":b:{" in name:
+                model, _, key = name[3:-1].partition(b":b:{")
+                blocks |= {(model, key, entry) for entry in server.get(name).split(b" ")}
+                continue
+            if not name.startswith(b"kv:{") or b"@" not in name:
+                continue  # model-wide keys: pods set, epoch marker
+            tag, _, kind = name[4:].partition(b"}:")
+            model, _, pod = tag.partition(b"@")
+            if kind == b"r":
+                for entry in server.smembers(name):
+                    tier, _, key = entry.partition(b" ")
+                    reverse.add((model, key, pod + b"@" + tier))
+            elif kind == b"n":
+                counts[model, pod] = {t: int(n) for t, n in server.hgetall(name).items()}
+            elif kind == b"e":
+                engine_maps[model, pod] = server.hgetall(name)
+            elif kind == b"k":
+                hashes_of[model, pod] = server.hgetall(name)
+            elif kind in (b"d", b"lease"):
+                leftovers.append(name)
+    assert leftovers == []
+    assert blocks == reverse
+    by_tier: dict[tuple[bytes, bytes], dict[bytes, int]] = {}
+    for model, _, entry in reverse:
+        pod, _, tier = entry.partition(b"@")
+        tiers = by_tier.setdefault((model, pod), {})
+        tiers[tier] = tiers.get(tier, 0) + 1
+    assert counts == by_tier
+    assert hashes_of.keys() == engine_maps.keys()
+    for (model, pod), engine in engine_maps.items():
+        key_of_hash = {h: b"%016x" % key_of(digest) for h, digest in engine.items()}
+        linked = {h: k for k, hs in hashes_of[model, pod].items() for h in hs.split(b" ")}
+        assert linked == key_of_hash
+        held = {k for m, k, entry in reverse if m == model and entry.partition(b"@")[0] == pod}
+        assert set(key_of_hash.values()) <= held

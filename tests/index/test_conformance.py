@@ -1,6 +1,7 @@
 """What every index backend guarantees (upstream's shared suite, plus what we promise beyond it).
 
-Each test runs against the in-memory index and against a real Valkey server.
+Each test runs against the in-memory index, a real Valkey server and a real Valkey Cluster of 3
+masters.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ GPU = frozenset({"gpu"})
 CPU = frozenset({"cpu"})
 
 
-@pytest.fixture(params=["memory", "memory-max-bytes", "redis"])
+@pytest.fixture(params=["memory", "memory-max-bytes", "redis", "redis-cluster"])
 def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     if request.param == "memory":
         # Its bound on entries per key is its own (test_memory); 50 writers x 2 tiers must fit.
@@ -31,17 +32,21 @@ def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     elif request.param == "memory-max-bytes":
         # The same, with a byte budget that every test fits in, so the bookkeeping runs throughout.
         idx = MemoryIndex(pod_cache_size=1000, max_bytes=64 << 20)
+    elif request.param == "redis-cluster":
+        idx = open_index(request.getfixturevalue("redis_cluster_url"))
     else:
         idx = open_index(request.getfixturevalue("redis_url"))
     yield idx
     idx.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def tiny_slices(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     """An index that cuts every write into slices of at most 3 blocks, hashes or entries."""
     if request.param == "memory":
         idx: KVIndex = MemoryIndex(pod_cache_size=1000, slice_blocks=3)
+    elif request.param == "redis-cluster":
+        idx = open_index(request.getfixturevalue("redis_cluster_url"), slice_blocks=3)
     else:
         idx = open_index(request.getfixturevalue("redis_url"), slice_blocks=3)
     yield idx

@@ -123,10 +123,15 @@ class Harness:
         self.context.destroy(linger=0)  # a failed test must not leave term() waiting
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def index(request) -> Iterator[KVIndex]:
-    """Each backend in turn: the write path must behave the same on both."""
-    url = "memory://" if request.param == "memory" else request.getfixturevalue("redis_url")
+    """Each backend in turn: the write path must behave the same on all of them."""
+    if request.param == "memory":
+        url = "memory://"
+    else:
+        url = request.getfixturevalue(
+            "redis_cluster_url" if request.param == "redis-cluster" else "redis_url"
+        )
     idx = open_index(url)
     yield idx
     idx.close()

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from redis.crc import key_slot
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from ingest.pipeline import IngestPipeline
@@ -23,8 +24,10 @@ from ingest.replay import ReplayClient, ReplayFailed, derived_replay_endpoint, f
 from scoring.config import ServiceConfig
 from scoring.epochs import READY, parse_marker
 from scoring.index import KVIndex, open_index
+from scoring.index.cluster import RedisClusterIndex
 from scoring.keys import block_keys
 from simulator.publisher import EventPublisher
+from tests.index import assert_cluster_consistent
 from tests.ingest.conftest import MODEL
 from tests.servers import wait_until
 
@@ -192,9 +195,14 @@ class Fixture:
         self.context.destroy(linger=0)  # a failed test must not leave term() waiting
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def fx(request) -> Iterator[Fixture]:
-    url = "memory://" if request.param == "memory" else request.getfixturevalue("redis_url")
+    if request.param == "memory":
+        url = "memory://"
+    else:
+        url = request.getfixturevalue(
+            "redis_cluster_url" if request.param == "redis-cluster" else "redis_url"
+        )
     index = open_index(url)
     fixture = Fixture(index)
     fixture.start_ingest()
@@ -458,3 +466,27 @@ def test_an_index_that_lost_its_data_is_marked_and_rebuilt_from_the_engines(fx: 
     assert fx.held(b) == 0  # no replay: cleared and marked until it stores again
     assert fx.stream("pod-b").resyncing
     assert fx.stream("pod-b").replay_failures == {"no_endpoint": 1}
+
+
+@pytest.mark.parametrize("fx", ["redis-cluster"], indirect=True)
+def test_a_cluster_master_that_lost_its_data_gets_the_model_rebuilt(fx: Fixture) -> None:
+    """One master restarted empty, the others kept theirs: the model's epoch witness on it went
+    with its data, so the model reads as lost and is rebuilt from the engines' replays."""
+    assert isinstance(fx.index, RedisClusterIndex)
+    a = fx.engine("pod-a")
+    for _ in range(7):
+        a.store()
+    fx.sync(a)
+    token = wait_until(lambda: parse_marker(fx.index.epochs([MODEL])[0]), timeout=5, what="a marker")[0]
+    first_key = block_keys(block(0, None)[0].token_ids, seed=SEED, block_size=BLOCK)[0]
+    victim = fx.index._primary(key_slot(b"{%016x}" % first_key))  # the master holding block 0
+
+    victim.redis_connection.flushall()
+    assert fx.held(a) == 0
+
+    wait_until(lambda: fx.held(a) == 8, timeout=5, what="pod-a rebuilt from its replay buffer")
+    wait_until(lambda: parse_marker(fx.index.epochs([MODEL])[0])[1] == READY, timeout=5, what="ready")
+    assert parse_marker(fx.index.epochs([MODEL])[0])[0] != token
+    assert fx.pipeline.stats.index_losses == 1
+    fx.pipeline.pool.join_idle(5)
+    assert_cluster_consistent([node.redis_connection for node in fx.index._map().primaries])
