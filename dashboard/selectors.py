@@ -22,7 +22,7 @@ from dashboard.fleet import RegistryPod, ScoreCounters
 from dashboard.gateways import GatewayScrape, gateway_traffic, parse_gateway_metrics
 from scoring.index.base import IndexUnavailable, PodBlocks
 from scoring.models import Pod
-from scoring.runtime import get_index, resyncing_models
+from scoring.runtime import get_index, index_is_shared, resyncing_models
 from scoring.streams import HistoryLevel, read_history, read_snapshots
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ _redis_lock = threading.Lock()
 
 def _redis() -> redis.Redis | None:
     """The client of ``REDIS_URL``; None when the index is not shared through Redis."""
-    if settings.KVCACHE_INDEX_BACKEND != "redis":
+    if not index_is_shared():
         return None
     url = settings.REDIS_URL
     with _redis_lock:

@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from dashboard import selectors
 from dashboard.gateways import GatewayScrape, gateway_traffic
+from scoring.runtime import index_is_shared
 from scoring.streams import instance_id, publish_scoring
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def start_publishing() -> None:
     """Start this process's publisher, once, if it is a ``manage.py serve`` process (its workers
     run with the same arguments) and the index is shared through Redis."""
     global _started
-    if sys.argv[1:2] != ["serve"] or settings.KVCACHE_INDEX_BACKEND != "redis":
+    if sys.argv[1:2] != ["serve"] or not index_is_shared():
         return
     with _start_lock:
         if not _started:

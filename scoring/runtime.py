@@ -73,6 +73,12 @@ def index_url() -> str:
     )
 
 
+def index_is_shared() -> bool:
+    """Whether the index lives in Redis (one server or a cluster), shared by every process: then
+    the processes also share their stats and traffic through ``REDIS_URL``."""
+    return not index_url().startswith("memory://")
+
+
 def connect_index(*, timeout: float) -> KVIndex:
     """A new handle on the index ``index_url`` names. A Redis index gives up on connecting or on a
     reply after ``timeout`` seconds (``IndexUnavailable``), unless its URL (``REDIS_URL``, or the

@@ -31,7 +31,7 @@ from ingest.stats import IngestStats, IngestStatsCollector
 from scoring.index import KVIndex
 from scoring.index.base import IndexUnavailable
 from scoring.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
-from scoring.runtime import connect_index, get_index, service_config, set_index
+from scoring.runtime import connect_index, get_index, index_is_shared, service_config, set_index
 from scoring.services import expire_pods, record_pods_seen, set_pod_health
 from scoring.streams import (
     instance_id,
@@ -177,9 +177,7 @@ class Housekeeping:
         self._registered: dict[str, float] = {}
         self._next_expiry = float("-inf")  # monotonic
         self._instance = instance_id()
-        self._redis = (
-            redis.Redis.from_url(settings.REDIS_URL) if settings.KVCACHE_INDEX_BACKEND == "redis" else None
-        )
+        self._redis = redis.Redis.from_url(settings.REDIS_URL) if index_is_shared() else None
         self._channel_layer = get_channel_layer()
         self._history = HistoryRecorder()
         if prober is not None:
