@@ -6,7 +6,8 @@ for any method and path. Served by the same server with the same options and wor
 endpoints, its latency is what the HTTP server, the event loop and the client cost on their own:
 the part of our latency that no change to our code can remove.
 
-    .venv/bin/uvicorn bench.floor:app --host 127.0.0.1 --port 8001 --loop asyncio --http httptools
+    .venv/bin/uvicorn bench.floor:app --host 127.0.0.1 --port 8001 --loop asyncio \
+        --http kvsite.uvicorn_protocol:NoDelayHttpToolsProtocol
 
 ``KVBENCH_FLOOR_BYTES`` (optional): pad the answer with trailing spaces to this many bytes (the
 bench sets it to the size of the real answer it measured, when it has one).

@@ -320,9 +320,11 @@ def tokenizer_ms(cold: ColdPrompts, *, repeats: int = 100) -> float:
 # directly) runs under the same server: no access log (a line per request costs), "info" keeps
 # the lifecycle lines, among them "Child process [pid] died" when the supervisor kills a worker
 # that stopped answering its pings. Lifespan "auto" where serve says "on": an app without
-# lifespan support (kvsite.asgi before the fast path) still starts.
+# lifespan support (kvsite.asgi before the fast path) still starts. The HTTP protocol is serve's
+# (httptools with TCP_NODELAY on every connection: kvsite/uvicorn_protocol.py).
+HTTP_PROTOCOL = "kvsite.uvicorn_protocol:NoDelayHttpToolsProtocol"
 UVICORN_OPTIONS = (
-    *("--http", "httptools", "--ws", "websockets", "--lifespan", "auto"),
+    *("--http", HTTP_PROTOCOL, "--ws", "websockets", "--lifespan", "auto"),
     *("--timeout-graceful-shutdown", "8", "--no-proxy-headers", "--no-access-log", "--log-level", "info"),
 )
 

@@ -145,3 +145,21 @@ def test_one_worker_asked_to_stop_exits_0(tmp_path: Path, redis_url: str, comman
         assert process.proc.wait(timeout=15) == 0
     finally:
         process.stop()
+
+
+def test_answers_on_a_kept_alive_connection_do_not_wait_for_delayed_acks(server):
+    """With several workers uvicorn makes the listening socket, and asyncio then leaves Nagle's
+    algorithm on for the connections: each answer (head and body written apart) waited ~40 ms
+    for the client's delayed ACK."""
+    connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=10)
+    took = []
+    for _ in range(30):
+        started = time.perf_counter()
+        connection.request("POST", "/api/v1/score", body=json.dumps({"model": MODEL, "token_ids": [1] * 64}))
+        response = connection.getresponse()
+        response.read()
+        took.append(time.perf_counter() - started)
+        assert response.status == 200
+    connection.close()
+    took.sort()
+    assert took[len(took) // 2] < 0.02, f"median {took[len(took) // 2] * 1e3:.1f} ms"

@@ -21,6 +21,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 APPLICATION = "kvsite.asgi:application"
+HTTP_PROTOCOL = "kvsite.uvicorn_protocol:NoDelayHttpToolsProtocol"
 
 
 class Command(BaseCommand):
@@ -86,7 +87,7 @@ def run_server(
         port=port,
         workers=workers,
         loop=loop,
-        http="httptools",
+        http=HTTP_PROTOCOL,
         ws=ws,
         lifespan="on",
         timeout_graceful_shutdown=graceful_seconds,
