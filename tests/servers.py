@@ -61,6 +61,11 @@ def redis_server_binary() -> str:
     return str(get_binary_path())
 
 
+def ephemeral(directory: str) -> tuple[str, ...]:
+    """A test server's options: loopback only, no persistence, its files in ``directory``."""
+    return ("--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", directory)
+
+
 class RedisServer:
     """A throwaway Redis-compatible server on a free loopback port, no persistence."""
 
@@ -72,14 +77,7 @@ class RedisServer:
                 redis_server_binary(),
                 "--port",
                 str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir,
+                *ephemeral(self.dir),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -167,14 +165,7 @@ class ValkeyCluster:
                 str(self.bus_ports[port]),
                 "--port",
                 str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir,
+                *ephemeral(self.dir),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
