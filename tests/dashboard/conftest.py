@@ -8,6 +8,7 @@ import asyncio
 import http.server
 import importlib.util
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,20 @@ def live_settings(settings) -> Iterator[None]:
     sampler.reset_sampler()
     yield
     sampler.reset_sampler()
+
+
+def prepare_site(env: dict[str, str]) -> None:
+    """Migrate the database ``env`` names and create the staff user ``ops`` (its password from
+    ``DJANGO_SUPERUSER_PASSWORD``), as an operator's first start does."""
+    manage = [sys.executable, "manage.py"]
+    subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
+    subprocess.run(
+        [*manage, "createsuperuser", "--noinput", "--username", "ops", "--email", "ops@example.com"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
 
 
 def make_user(username: str, *, staff: bool):

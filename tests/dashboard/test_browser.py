@@ -10,7 +10,6 @@ the pod's page."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 import urllib.request
@@ -21,7 +20,7 @@ import zmq
 from playwright.sync_api import expect, sync_playwright
 
 from ingest.events import BlockRemoved, encode_batch, encode_message
-from tests.dashboard.conftest import ROOT, Process, unreachable_url
+from tests.dashboard.conftest import Process, prepare_site, unreachable_url
 from tests.events import stored_event
 from tests.ingest.conftest import MODEL
 from tests.servers import free_port, service_env
@@ -69,15 +68,8 @@ def stack(tmp_path, redis_url, gateway_metrics) -> Iterator[dict]:
         DJANGO_SUPERUSER_PASSWORD=PASSWORD,
         KVCACHE_GATEWAY_URLS=f"{gateway_metrics.url},{refused}",
     )
+    prepare_site(env)
     manage = [sys.executable, "manage.py"]
-    subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
-    subprocess.run(
-        [*manage, "createsuperuser", "--noinput", "--username", "ops", "--email", "ops@example.com"],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-    )
     zmq_port, web_port = free_port(), free_port()
     ingest = Process(
         [*manage, "ingest", "--bind", f"tcp://127.0.0.1:{zmq_port}", "--workers", "2"],

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from scoring.index import open_index
 from scoring.index.base import StoredBlock
 from scoring.keys import block_digest, key_of, root_digest
 from scoring.streams import read_scoring
-from tests.dashboard.conftest import ROOT, Process
+from tests.dashboard.conftest import Process, prepare_site
 from tests.servers import free_port, service_env, wait_until
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -69,15 +68,8 @@ def web(tmp_path: Path, redis_url: str) -> Iterator[dict]:
         DJANGO_SUPERUSER_PASSWORD=PASSWORD,
         DASHBOARD_PUSH_SECONDS="0.2",
     )
+    prepare_site(env)
     manage = [sys.executable, "manage.py"]
-    subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
-    subprocess.run(
-        [*manage, "createsuperuser", "--noinput", "--username", "ops", "--email", "ops@example.com"],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-    )
     port = free_port()
     ingest = Process(
         [*manage, "ingest", "--bind", f"tcp://127.0.0.1:{free_port()}"], env, tmp_path / "ingest.log"
