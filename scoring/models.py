@@ -68,6 +68,38 @@ MAX_HASH_LOOKAHEAD_TOKENS = 64
 a step may propose: a handful); 64 leaves room for any of them."""
 
 
+KV_CACHE_GROUP_KINDS = {
+    "full_attention": "full",
+    "mla_attention": "full",
+    "sink_full_attention": "full",
+    "sliding_window": "window",
+    "sliding_window_mla": "window",
+    "mamba": "mamba",
+}
+"""vLLM's ``KVCacheSpecKind`` values a KV-cache group may have, each with the hit rule it is scored
+by (``scoring.hybrid``): a full-attention prefix, a sliding window's last blocks, Mamba's last one."""
+
+
+def validate_kv_cache_groups(value: object) -> None:
+    example = '[{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 4096}]'
+    if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
+        raise ValidationError(f"must be a list of groups in vLLM's group order, e.g. {example}")
+    for i, group in enumerate(value):
+        kind = group.get("kind")
+        if kind not in KV_CACHE_GROUP_KINDS:
+            raise ValidationError(
+                f"group {i}: kind must be one of {', '.join(sorted(KV_CACHE_GROUP_KINDS))}, not {kind!r}"
+            )
+        window = group.get("sliding_window")
+        windowed = KV_CACHE_GROUP_KINDS[kind] == "window"
+        if windowed and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+            raise ValidationError(f"group {i}: a {kind} group needs its sliding_window in tokens (>= 1)")
+        if set(group) - {"kind", "sliding_window"} or (not windowed and window is not None):
+            raise ValidationError(f"group {i}: only kind (and sliding_window for a window) are allowed")
+    if value and KV_CACHE_GROUP_KINDS[value[0]["kind"]] != "full":
+        raise ValidationError("group 0 must be full attention (vLLM orders it first)")
+
+
 def validate_chat_template(value: str) -> None:
     """A chat template must compile in the environment it renders in (``scoring.chat``)."""
     try:
@@ -169,6 +201,20 @@ class ModelConfig(models.Model):
         help_text="Must equal the engines' lookahead hashing (vLLM's num_hash_lookahead_tokens, set by "
         f"speculative decoding configs): each block's key also covers this many tokens after it. 0 to "
         f"{MAX_HASH_LOOKAHEAD_TOKENS}; 0 (the default): none.",
+    )
+    kv_cache_groups = models.JSONField(
+        default=list,
+        blank=True,
+        validators=[validate_kv_cache_groups],
+        help_text="Hybrid models only: the engines' KV-cache groups in vLLM's order (group_idx), e.g. "
+        '[{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 4096}]. Empty: '
+        "the groups learned from events, else one full-attention group.",
+    )
+    learned_kv_cache_groups = models.JSONField(
+        default=list,
+        blank=True,
+        editable=False,
+        help_text="The groups ingest learned from events that describe them (kv_cache_spec_kind).",
     )
     updated_at = models.DateTimeField(auto_now=True)
 
