@@ -123,6 +123,15 @@ class Engine:
         _, hit_tokens, _ = self.manager.get_computed_blocks(request, max_cache_hit_length=request.num_tokens)
         return hit_tokens // BLOCK_SIZE
 
+    def full_attention_blocks(self, prompt: Prompt) -> int:
+        """How many leading blocks of ``prompt`` the full-attention group alone holds (for a hybrid
+        model, what its coordinator's hit starts from, before the other groups cut it)."""
+        request = self.request(prompt)
+        _, hits = self.manager.coordinator.find_longest_cache_hit_per_group(
+            request.block_hashes, request.num_tokens
+        )
+        return hits[0] // BLOCK_SIZE
+
     # --- serving --------------------------------------------------------------------------------
 
     def serve(

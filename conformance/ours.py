@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -33,9 +34,17 @@ _NOT_INHERITED = ("PYTHONHASHSEED", "KVCACHE_HASH_SEED", "REDIS_URL", "DATABASE_
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range (32768 up): the suite hands its ports
+    out before the publishers bind them, and an outgoing connection (ours, or another test run's
+    on this machine) takes its local port from that range, so one from there could be gone."""
+    while True:
+        port = random.randrange(20_000, 32_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def wait_until(condition: Callable[[], object], *, timeout: float, what: str) -> object:

@@ -38,6 +38,11 @@ class ServedModel:
             body["lora_adapters"] = list(self.lora_adapters)
         if self.hash_lookahead_tokens:
             body["hash_lookahead_tokens"] = self.hash_lookahead_tokens
+        if self.sliding_window:
+            body["kv_cache_groups"] = [
+                {"kind": "full_attention"},
+                {"kind": "sliding_window", "sliding_window": self.sliding_window},
+            ]
         return body
 
 

@@ -212,4 +212,6 @@ def test_hybrid_sliding_window(fleet):
     pods.serve(0, b)
     pods.check("pod 0 served B, evicting window blocks of A", [*prefixes, b])
     assert pods[0].published["BlockRemoved"], "the scenario must evict"
+    cut = [p.label for p in prefixes if pods[0].cached_blocks(p) < pods[0].full_attention_blocks(p)]
+    assert cut, "the scenario must have the window cut a hit that full attention alone would give"
     agrees(pods)

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from scoring.hybrid import is_group_holder
 from scoring.index.base import PodBlocks
 from scoring.liveness import POD_STATES, pod_state
 
@@ -191,6 +192,8 @@ def pod_rows(
     tiers: dict[str, dict[str, int]] = {}
     models: dict[str, set[str]] = {}
     for b in blocks:
+        if is_group_holder(b.pod):
+            continue  # a hybrid model's other KV-cache groups repeat group 0's blocks
         pod = pod_of_holder(b.pod)
         by_tier = tiers.setdefault(pod, {})
         for tier, n in b.blocks_by_tier.items():

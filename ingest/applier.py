@@ -26,6 +26,12 @@ tokens; a trailing partial block is not indexed. A model block is removed with t
 that completed it; when one engine block completes several model blocks, the others get derived
 engine hashes (``sub_block_hash``) that its ``BlockRemoved`` removes too.
 
+Hybrid models (``scoring.hybrid``): the blocks of KV-cache group ``g > 0`` (``group_idx``) are kept
+under the holder ``<holder>#g<g>`` with masked keys and digests, each group chained, removed and
+cleared on its own (an ``AllBlocksCleared`` clears every group); the groups an event describes
+(``kv_cache_spec_kind``) are learned (``IngestStats.learned_groups``). Only group 0's blocks are
+judged for hash alignment (the others repeat its hashes).
+
 Batches are *staged* (turned into ``IndexUpdate`` values, counters bumped) and then *flushed*
 together: one index round trip for everything a worker found queued.
 """
@@ -44,6 +50,7 @@ from typing import NamedTuple
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from ingest.stats import IngestStats, StreamStats
 from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
+from scoring.hybrid import group_digest, group_holder
 from scoring.index import KVIndex, StoredBlock
 from scoring.index.base import ClearPod, IndexUpdate, Progress, Remove, Store
 from scoring.keys import (
@@ -166,6 +173,8 @@ class _PodState:
     aligned: bool | None = None  # did the last judged block's engine hash equal our key?
     pages: OrderedDict = field(default_factory=OrderedDict)  # re-chunked: engine hash -> _Page
     sub_blocks: int = 1  # the most model blocks one engine block of this pod completed
+    group: int = 0  # a hybrid model's KV-cache group: its digests are masked in the index
+    base: str = ""  # a group > 0: the holder of group 0, whose chain it shares
 
 
 class EventApplier:
@@ -177,6 +186,7 @@ class EventApplier:
         self.config = config
         self.stats = stats
         self._pods: dict[tuple[str, str], _PodState] = {}
+        self._groups: dict[tuple[str, str], set[int]] = {}  # (holder, model) -> groups > 0 seen
         self._updates: list[IndexUpdate] = []
         self._counts: list[tuple[StreamStats | None, str]] = []  # per update: the counter it adds to
         self._batch_times: list[float] = []
@@ -248,17 +258,27 @@ class EventApplier:
     def clear_steps(self, *, model: str, holder: str) -> Iterator[None]:
         """Clear what the index holds of engine ``holder`` (its state was lost, or it restarted),
         after anything staged: as ``stage_steps``, flush where it yields."""
-        self._pods.pop((holder, model), None)
+        for group_holder_id in self._group_holders(model, holder):
+            self._pods.pop((group_holder_id, model), None)
         yield from self._clear_index_steps(model, holder)
 
+    def _group_holders(self, model: str, holder: str) -> list[str]:
+        """``holder`` and the holders of its KV-cache groups: those seen, and the model's."""
+        groups = self._groups.get((holder, model), set()) | set(
+            range(1, len(self.config().model(model).kv_cache_groups))
+        )
+        return [holder, *(group_holder(holder, g) for g in sorted(groups))]
+
     def _clear_index_steps(self, model: str, holder: str) -> Iterator[None]:
-        """The engine's entries out of the index, ``SLICE_BLOCKS`` at a time (an engine may hold
-        a hundred thousand blocks: ~1 s of Valkey's time in one go), yielding between: first so
-        that what is staged is written before, then after every slice but the last."""
+        """The engine's entries (every KV-cache group's) out of the index, ``SLICE_BLOCKS`` at a
+        time (an engine may hold a hundred thousand blocks: ~1 s of Valkey's time in one go),
+        yielding between: first so that what is staged is written before, then after every
+        slice but the last."""
         if self._updates:
             yield
-        while not self.index.clear_pod_slice(pod=holder, model=model, limit=SLICE_BLOCKS)[1]:
-            yield
+        for cleared in self._group_holders(model, holder):
+            while not self.index.clear_pod_slice(pod=cleared, model=model, limit=SLICE_BLOCKS)[1]:
+                yield
 
     def _stage_events(
         self, *, pod: str, model: str, holder: str, events: Sequence[Event], stream: StreamStats
@@ -273,27 +293,45 @@ class EventApplier:
             self._clear_disabled(pod)
             return
         block_size = config.model(model).block_size
-        state = self._pods.get((holder, model))
-        if state is None or state.block_size != block_size:
-            # Digests and re-chunked pages were cut at the model's block size: a new one starts over.
-            state = self._pods[(holder, model)] = _PodState(parents=OrderedDict(), block_size=block_size)
         cleared = False  # was the event before an AllBlocksCleared?
         for event in events:
             stream.events += 1
-            if isinstance(event, BlockStored):
-                self._stage_store(
-                    event, model=model, holder=holder, state=state, stream=stream, config=config
-                )
-            elif isinstance(event, BlockRemoved):
-                hashes = _forget(state, event)
-                self._pend(Remove(model, holder, event.tier, hashes), stream, "blocks_removed")
-            elif isinstance(event, AllBlocksCleared):
-                state.parents.clear()
-                state.pages.clear()
+            if isinstance(event, AllBlocksCleared):
+                for group_holder_id in self._group_holders(model, holder):
+                    state = self._pods.get((group_holder_id, model))
+                    if state is not None:
+                        state.parents.clear()
+                        state.pages.clear()
                 stream.clears += 1
                 if not cleared:  # a repeat clears nothing more
                     yield from self._clear_index_steps(model, holder)
+            else:
+                group = event.group_idx or 0
+                indexed_as, state = self._state(model, holder, group, block_size)
+                if isinstance(event, BlockStored):
+                    if event.kv_cache_spec_kind is not None:
+                        self.stats.learn_group(
+                            model, group, event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
+                        )
+                    self._stage_store(
+                        event, model=model, holder=indexed_as, state=state, stream=stream, config=config
+                    )
+                else:
+                    hashes = _forget(state, event)
+                    self._pend(Remove(model, indexed_as, event.tier, hashes), stream, "blocks_removed")
             cleared = isinstance(event, AllBlocksCleared)
+
+    def _state(self, model: str, holder: str, group: int, block_size: int) -> tuple[str, _PodState]:
+        """The holder a KV-cache group of ``holder`` is indexed as, and what is remembered of it."""
+        indexed_as = group_holder(holder, group)
+        state = self._pods.get((indexed_as, model))
+        if state is None or state.block_size != block_size:
+            # Digests and re-chunked pages were cut at the model's block size: a new one starts over.
+            state = _PodState(parents=OrderedDict(), block_size=block_size, group=group, base=holder)
+            self._pods[(indexed_as, model)] = state
+            if group:
+                self._groups.setdefault((holder, model), set()).add(group)
+        return indexed_as, state
 
     def flush(self) -> None:
         """Apply every pending update in one round trip. On ``IndexUnavailable`` nothing pending
@@ -323,14 +361,14 @@ class EventApplier:
 
     def forget(self, pod: str) -> None:
         """Drop what is remembered of ``pod`` (it was disabled or deleted)."""
-        for key in [k for k in self._pods if k[0] == pod or k[0].startswith(pod + "#dp")]:
+        for key in [k for k in self._pods if k[0] == pod or k[0].startswith(pod + "#")]:
             del self._pods[key]
 
     def _clear_disabled(self, pod: str) -> None:
         """The first batch of a pod after it was disabled clears what this worker indexed for it,
         ordered after anything of it still staged (the web process cleared it when disabling,
         but an in-flight flush could have written after that)."""
-        for holder, model in [k for k in self._pods if k[0] == pod or k[0].startswith(pod + "#dp")]:
+        for holder, model in [k for k in self._pods if k[0] == pod or k[0].startswith(pod + "#")]:
             del self._pods[(holder, model)]
             self._updates.append(ClearPod(model, holder))
             self._counts.append((None, ""))
@@ -367,6 +405,8 @@ class EventApplier:
             )
         if not blocks:
             return
+        if state.group:
+            judged = None  # the other groups repeat group 0's engine hashes: judged there
         tier = event.tier
         parents = state.parents
         fresh: list[StoredBlock] = []
@@ -399,6 +439,8 @@ class EventApplier:
         stream.misaligned_blocks += misaligned
         if last_judged is not None:
             state.aligned = last_judged
+        if state.group:
+            repeated, fresh = _in_group(repeated, state.group), _in_group(fresh, state.group)
         if repeated:
             self._pend(Store(model, holder, tier, repeated), stream, "")
         if fresh:
@@ -558,17 +600,36 @@ class EventApplier:
         self, engine_hashes: Sequence[int], *, model: str, holder: str, state: _PodState
     ) -> list[Digest | None]:
         """Digests of engine hashes: from this pod's recent blocks, else from the index (after
-        flushing, so that what was staged is visible)."""
+        flushing, so that what was staged is visible). A KV-cache group > 0 falls back on group
+        0's: every group hashes the same chain, and a window that dropped a block still continues
+        its chain from it (vLLM's next ``BlockStored`` names it as the parent)."""
         parents = state.parents
         found = [None if (k := parents.get(h)) is None else k.digest for h in engine_hashes]
         missing = [h for h, d in zip(engine_hashes, found, strict=True) if d is None]
         if missing:
             self.flush()
-            resolved = dict(
-                zip(missing, self.index.resolve(model=model, pod=holder, engine_hashes=missing), strict=True)
-            )
+            answers = self.index.resolve(model=model, pod=holder, engine_hashes=missing)
+            if state.group:
+                answers = [None if d is None else group_digest(d, state.group) for d in answers]
+            resolved = dict(zip(missing, answers, strict=True))
             found = [d if d is not None else resolved[h] for h, d in zip(engine_hashes, found, strict=True)]
+        if state.group and None in found:
+            base = self._pods.get((state.base, model)) or _PodState(parents=OrderedDict())
+            missing = [h for h, d in zip(engine_hashes, found, strict=True) if d is None]
+            fallback = dict(
+                zip(missing, self._resolve(missing, model=model, holder=state.base, state=base), strict=True)
+            )
+            found = [d if d is not None else fallback[h] for h, d in zip(engine_hashes, found, strict=True)]
         return found
+
+
+def _in_group(blocks: list[StoredBlock], group: int) -> list[StoredBlock]:
+    """``blocks`` as KV-cache group ``group`` indexes them: masked keys and digests."""
+    out = []
+    for b in blocks:
+        digest = group_digest(b.digest, group)
+        out.append(StoredBlock(key_of(digest), b.engine_hash, digest))
+    return out
 
 
 def _forget(state: _PodState, event: BlockRemoved) -> Sequence[int]:

@@ -138,7 +138,9 @@ class BlockStored:
     (the LoRA name is already in it, never prepend ``lora_name`` again), and only without
     ``extra_keys`` falls back to ``(lora_name,)`` per block, or ``None`` without an adapter.
 
-    ``group_idx`` is the KV-cache group of hybrid models (``None`` when not sent).
+    ``group_idx`` is the KV-cache group of hybrid models (``None`` when not sent);
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` describe it when the publisher
+    sends them (vLLM's offloading connectors do; its GPU block pool does not): ``scoring.hybrid``.
 
     vLLM 0.33 added ``lookahead_token_ids``: with lookahead hashing, the tokens after each block
     that its hash also covers, one tuple per block (``None`` when lookahead hashing is off); a
@@ -160,6 +162,8 @@ class BlockStored:
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,8 +340,9 @@ def _optional_int(value: object, name: str) -> int | None:
 
 
 def _label(value: object) -> str | None:
-    """``locality``, ``ownership``, ``session_id``: kept when a string, else dropped. They do not
-    change what a block is, so a producer that sends another type loses them, not the event."""
+    """``locality``, ``ownership``, ``session_id``, ``kv_cache_spec_kind``: kept when a string, else
+    dropped. They do not change what a block is, so a producer that sends another type loses
+    them, not the event (so does a ``kv_cache_spec_sliding_window`` that is not a positive int)."""
     if type(value) is str:
         return value
     if type(value) is bytes:
@@ -377,6 +382,8 @@ def _stored(
     locality: Any = None,
     ownership: Any = None,
     session_id: Any = None,
+    spec_kind: Any = None,
+    spec_window: Any = None,
 ) -> BlockStored:
     hashes = _block_hashes(hashes)
     if type(tokens) is tuple:
@@ -419,6 +426,8 @@ def _stored(
         _label(locality),
         _label(ownership),
         _label(session_id),
+        _label(spec_kind),
+        spec_window if type(spec_window) is int and spec_window > 0 else None,
     )
 
 
@@ -440,8 +449,7 @@ _CLEARED: Final = AllBlocksCleared()
 def _stored_from_array(ev: tuple) -> BlockStored:
     if len(ev) < _STORED_ARRAY_WIDTH:
         ev += _NILS[: _STORED_ARRAY_WIDTH - len(ev)]
-    # [10] and [11] are kv_cache_spec_kind and kv_cache_spec_sliding_window (hybrid models).
-    return _stored(*ev[1:10], ev[15], ev[12], ev[13], ev[14])
+    return _stored(*ev[1:10], ev[15], ev[12], ev[13], ev[14], ev[10], ev[11])
 
 
 def _removed_from_array(ev: tuple) -> BlockRemoved:
@@ -466,6 +474,8 @@ def _stored_from_map(ev: dict) -> BlockStored:
         get("locality"),
         get("ownership"),
         get("session_id"),
+        get("kv_cache_spec_kind"),
+        get("kv_cache_spec_sliding_window"),
     )
 
 
@@ -675,8 +685,8 @@ def encode_batch(
                 ev.lora_name,
                 ev.extra_keys,
                 ev.group_idx,
-                None,
-                None,
+                ev.kv_cache_spec_kind,
+                ev.kv_cache_spec_sliding_window,
                 ev.locality,
                 ev.ownership,
                 ev.session_id,

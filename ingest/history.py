@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import redis
 
 from scoring.config import owner_pod
+from scoring.hybrid import is_group_holder
 from scoring.index.base import PodBlocks
 from scoring.streams import HISTORY_LEVELS, HISTORY_PODS, HistoryLevel, record_point
 
@@ -83,9 +84,12 @@ def ingest_counters(snapshot: Mapping) -> dict[tuple[str, str], int]:
 
 
 def blocks_by_pod(rows: Iterable[PodBlocks]) -> dict[str, int]:
-    """Blocks each pod holds (``index.pod_blocks()``), summed over models, tiers and ranks."""
+    """Blocks each pod holds (``index.pod_blocks()``), summed over models, tiers and ranks (a
+    hybrid model's blocks once: its other KV-cache groups left out)."""
     out: dict[str, int] = {}
     for row in rows:
+        if is_group_holder(row.pod):
+            continue
         pod = owner_pod(row.pod)
         out[pod] = out.get(pod, 0) + sum(row.blocks_by_tier.values())
     return out

@@ -89,6 +89,16 @@ class IngestStats:
         self.recent_visible_latencies: deque[float] = deque(maxlen=latency_samples)
         self.visible_buckets = [0] * (len(VISIBLE_BUCKETS) + 1)
         self.visible_sum = 0.0
+        self.learned_groups: dict[str, dict[int, tuple[str, int | None]]] = {}
+        """model -> group_idx -> (kv_cache_spec_kind, sliding window): what events described."""
+
+    def learn_group(self, model: str, group: int, kind: str, sliding_window: int | None) -> None:
+        """Record what an event said of a hybrid model's KV-cache group (the last word wins)."""
+        groups = self.learned_groups.get(model)
+        if groups is None:
+            groups = self.learned_groups.setdefault(model, {})
+        if groups.get(group) != (kind, sliding_window):
+            groups[group] = (kind, sliding_window)
 
     def observe_visible(self, seconds: float) -> None:
         """Record one batch's event-to-visible latency (called by the worker that applied it).
@@ -130,6 +140,10 @@ class IngestStats:
             "unattributed_errors": dict(self.unattributed_errors),
             "queue_full": {str(k): v for k, v in self.queue_full.items()},
             "index_losses": self.index_losses,
+            "learned_groups": {
+                model: {str(g): list(spec) for g, spec in list(groups.items())}
+                for model, groups in list(self.learned_groups.items())
+            },
         }
 
 

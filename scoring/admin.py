@@ -143,7 +143,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
     )
     search_fields = ("name", "tokenizer_source")
     list_filter = ("block_size",)
-    readonly_fields = ("updated_at",)
+    readonly_fields = ("learned_kv_cache_groups", "updated_at")
 
     def get_form(self, request, obj=None, change=False, **kwargs):
         form = super().get_form(request, obj, change, **kwargs)

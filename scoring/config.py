@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from scoring.hybrid import KVCacheGroup
 from scoring.keys import DEFAULT_SEED
 
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu": 0.8})
@@ -36,8 +37,9 @@ DP_RANK_SEPARATOR = "#dp"
 
 
 def owner_pod(holder: str) -> str:
-    """The pod an index holder belongs to: ``pod#dp<r>`` (a data-parallel rank) -> ``pod``."""
-    return holder.partition(DP_RANK_SEPARATOR)[0]
+    """The pod an index holder belongs to: ``pod#dp<r>`` (a data-parallel rank), ``pod#g<g>`` (a
+    hybrid model's KV-cache group) and ``pod#dp<r>#g<g>`` -> ``pod`` (a pod id has no "#")."""
+    return holder.partition("#")[0]
 
 
 def address_in_pod_id(pod_id: str) -> str:
@@ -72,6 +74,9 @@ class ModelSettings:
     decoding configs): each block key also covers this many tokens after the block
     (``scoring.keys.block_keys(lookahead_tokens=...)``). Ingest needs no setting: events carry
     the tokens (``lookahead_token_ids``)."""
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
+    """A hybrid model's KV-cache groups in vLLM's order (``scoring.hybrid``); none: one
+    full-attention group."""
 
     def tier_weight(self, tier: str) -> float:
         return self.tier_weights.get(tier, self.other_tier_weight)

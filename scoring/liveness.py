@@ -39,7 +39,7 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
+from scoring.config import ServiceConfig
 from scoring.index import IndexUnavailable, KVIndex
 
 log = logging.getLogger(__name__)
@@ -133,10 +133,10 @@ def probe_targets(config: ServiceConfig) -> dict[str, str]:
 
 
 def clear_pod_and_ranks(index: KVIndex, pod: str) -> int:
-    """Remove every block of ``pod`` and of its data-parallel ranks (``pod#dp<r>``) under every
-    model; returns how many entries went."""
+    """Remove every block of ``pod``, of its data-parallel ranks (``pod#dp<r>``) and of their
+    KV-cache groups (``...#g<g>``) under every model; returns how many entries went."""
     removed = index.clear_pod(pod=pod)
-    prefix = pod + DP_RANK_SEPARATOR
+    prefix = pod + "#"  # a pod id has no "#"
     for holder in {row.pod for row in index.pod_blocks() if row.pod.startswith(prefix)}:
         removed += index.clear_pod(pod=holder)
     return removed

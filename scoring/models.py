@@ -11,6 +11,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from scoring.chat import BoundedEnvironment
+from scoring.hybrid import GROUP_RULES
 
 
 def default_tier_weights() -> dict[str, float]:
@@ -68,35 +69,23 @@ MAX_HASH_LOOKAHEAD_TOKENS = 64
 a step may propose: a handful); 64 leaves room for any of them."""
 
 
-KV_CACHE_GROUP_KINDS = {
-    "full_attention": "full",
-    "mla_attention": "full",
-    "sink_full_attention": "full",
-    "sliding_window": "window",
-    "sliding_window_mla": "window",
-    "mamba": "mamba",
-}
-"""vLLM's ``KVCacheSpecKind`` values a KV-cache group may have, each with the hit rule it is scored
-by (``scoring.hybrid``): a full-attention prefix, a sliding window's last blocks, Mamba's last one."""
-
-
 def validate_kv_cache_groups(value: object) -> None:
     example = '[{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 4096}]'
     if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
         raise ValidationError(f"must be a list of groups in vLLM's group order, e.g. {example}")
     for i, group in enumerate(value):
         kind = group.get("kind")
-        if kind not in KV_CACHE_GROUP_KINDS:
+        if kind not in GROUP_RULES:
             raise ValidationError(
-                f"group {i}: kind must be one of {', '.join(sorted(KV_CACHE_GROUP_KINDS))}, not {kind!r}"
+                f"group {i}: kind must be one of {', '.join(sorted(GROUP_RULES))}, not {kind!r}"
             )
         window = group.get("sliding_window")
-        windowed = KV_CACHE_GROUP_KINDS[kind] == "window"
+        windowed = GROUP_RULES[kind] == "window"
         if windowed and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
             raise ValidationError(f"group {i}: a {kind} group needs its sliding_window in tokens (>= 1)")
         if set(group) - {"kind", "sliding_window"} or (not windowed and window is not None):
             raise ValidationError(f"group {i}: only kind (and sliding_window for a window) are allowed")
-    if value and KV_CACHE_GROUP_KINDS[value[0]["kind"]] != "full":
+    if value and GROUP_RULES[value[0]["kind"]] != "full":
         raise ValidationError("group 0 must be full attention (vLLM orders it first)")
 
 

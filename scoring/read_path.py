@@ -13,7 +13,9 @@ can say where the time goes:
    keys, so salted and plain chains never share one);
 4. **lookup**: one index round trip for the longest held run of keys, restricted to the asked
    pods; disabled pods and pods the liveness prober found down (``config.unscored_pods``) are
-   taken out, with their data-parallel ranks;
+   taken out, with their data-parallel ranks. For a hybrid model (``kv_cache_groups``), one
+   more round trip per other KV-cache group for its holders of the run's keys, and each pod's
+   run cut to vLLM's hit over the groups (``scoring.hybrid``);
 5. **score**: longest-prefix scores with the model's tier weights (``scoring.scorer``).
 
 Pure core: no Django import. The registry snapshot (``ServiceConfig``), the index and the
@@ -24,6 +26,8 @@ statuses: ``InvalidInput`` (the caller must fix the request), ``ChatTemplateErro
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ from typing import Any
 
 from scoring.chat import ChatTemplateError, render_chat
 from scoring.config import ModelSettings, ServiceConfig, owner_pod
+from scoring.hybrid import group_keys, hybrid_run, other_groups
 from scoring.index import HolderMap, KVIndex
 from scoring.keys import BlockKey, ChainMemo, MultimodalFeature, block_keys
 from scoring.sandbox import TemplateSandbox
@@ -224,12 +229,54 @@ def finish(keyed: KeyedRequest, holders: list[HolderMap], *, config: ServiceConf
     )
 
 
+def _other_groups(keyed: KeyedRequest, config: ServiceConfig) -> list[tuple[int, int | None]]:
+    settings = config.model(keyed.model)
+    return other_groups(settings.kv_cache_groups, settings.block_size)
+
+
+def _group_holders(
+    index: KVIndex, keyed: KeyedRequest, run: list[HolderMap], config: ServiceConfig
+) -> list[HolderMap]:
+    """``run`` cut to each pod's hit over a hybrid model's KV-cache groups (one ``holders`` read per
+    other group); ``run`` itself for a model of one group."""
+    groups = _other_groups(keyed, config) if run else []
+    if not groups:
+        return run
+    keys = keyed.keys[: len(run)]
+    reads = [(g, needed, index.holders(model=keyed.model, keys=group_keys(keys, g))) for g, needed in groups]
+    return hybrid_run(run, reads)
+
+
+async def _agroup_holders(
+    index: KVIndex, keyed: KeyedRequest, run: list[HolderMap], config: ServiceConfig
+) -> list[HolderMap]:
+    """``_group_holders`` on an event loop: ``aholders`` where the index has it, else in a thread."""
+    groups = _other_groups(keyed, config) if run else []
+    if not groups:
+        return run
+    keys = keyed.keys[: len(run)]
+    reads = []
+    for g, needed in groups:
+        wanted = group_keys(keys, g)
+        aholders = getattr(index, "aholders", None)
+        if aholders is not None:
+            maps = await aholders(model=keyed.model, keys=wanted)
+        else:
+            maps = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(index.holders, model=keyed.model, keys=wanted)
+            )
+        reads.append((g, needed, maps))
+    return hybrid_run(run, reads)
+
+
 def look_up(index: KVIndex, keyed: KeyedRequest, *, config: ServiceConfig) -> ScoreResult:
-    """Step 4 then 5 for one request: at most one index round trip."""
+    """Step 4 then 5 for one request: at most one index round trip (one per KV-cache group of a
+    hybrid model)."""
     started = time.perf_counter()
     holders = (
         index.lookup(model=keyed.model, keys=keyed.keys, pods=keyed.wanted) if keyed.needs_lookup else []
     )
+    holders = _group_holders(index, keyed, holders, config)
     keyed.timings.lookup = time.perf_counter() - started
     return finish(keyed, holders, config=config)
 
@@ -243,6 +290,7 @@ async def alook_up(index: KVIndex, keyed: KeyedRequest, *, config: ServiceConfig
         if keyed.needs_lookup
         else []
     )
+    holders = await _agroup_holders(index, keyed, holders, config)
     keyed.timings.lookup = time.perf_counter() - started
     return finish(keyed, holders, config=config)
 
@@ -263,7 +311,7 @@ def look_up_many(
         )
         elapsed = time.perf_counter() - started
         for i, answer in zip(positions, answers, strict=True):
-            holders[i] = answer
+            holders[i] = _group_holders(index, requests[i], answer, config)
             requests[i].timings.lookup = elapsed
     return [finish(keyed, found, config=config) for keyed, found in zip(requests, holders, strict=True)]
 

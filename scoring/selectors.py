@@ -12,6 +12,7 @@ import redis
 from django.conf import settings
 
 from scoring.config import DEFAULT_OTHER_TIER_WEIGHT, ModelSettings, ServiceConfig, owner_pod
+from scoring.hybrid import groups_from_json, is_group_holder
 from scoring.index import IndexUnavailable, KVIndex
 from scoring.liveness import POD_STATES, pod_state
 from scoring.models import HashSeed, ModelConfig, Pod
@@ -35,6 +36,7 @@ def load_service_config() -> ServiceConfig:
             lora_adapters=tuple(m.lora_adapters or ()),
             max_model_len=m.max_model_len,
             hash_lookahead_tokens=m.hash_lookahead_tokens,
+            kv_cache_groups=groups_from_json(m.kv_cache_groups or m.learned_kv_cache_groups),
         )
         for m in ModelConfig.objects.all()
     }
@@ -153,10 +155,13 @@ def merge_unattributed_errors(snapshots: Iterable[dict]) -> dict[str, int]:
 
 
 def live_blocks_by_pod(index: KVIndex) -> dict[str, dict[str, int]]:
-    """pod -> tier -> blocks held, from the index, summed over models and data-parallel ranks.
-    Raises ``IndexUnavailable`` when the index cannot be reached."""
+    """pod -> tier -> blocks held, from the index, summed over models and data-parallel ranks
+    (a hybrid model's blocks once: its other KV-cache groups left out). Raises
+    ``IndexUnavailable`` when the index cannot be reached."""
     out: dict[str, dict[str, int]] = {}
     for row in index.pod_blocks():
+        if is_group_holder(row.pod):
+            continue
         tiers = out.setdefault(owner_pod(row.pod), {})
         for tier, n in row.blocks_by_tier.items():
             tiers[tier] = tiers.get(tier, 0) + n

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 
 from django.conf import settings
@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from scoring.config import address_in_pod_id
+from scoring.hybrid import KVCacheGroup, groups_to_json
 from scoring.liveness import HEALTHS, HealthChange, clear_pod_and_ranks
 from scoring.models import HashSeed, ModelConfig, Pod
 from scoring.runtime import get_index, get_tokenizers, invalidate_service_config
@@ -166,6 +167,33 @@ def save_model_config(config: ModelConfig, *, tokenizer_source_checked: bool = F
         get_index().clear_model(model=previous.name)
     invalidate_service_config()
     return config
+
+
+def record_learned_groups(learned: Mapping[str, Mapping[int, tuple[str, int | None]]]) -> int:
+    """Write what ingest learned of hybrid models' KV-cache groups (model -> group_idx -> (kind,
+    sliding window), from events that describe them) into ``ModelConfig.learned_kv_cache_groups``,
+    creating the config of a model that has none; returns how many configs changed. A group no
+    event described reads as full attention. Scoring follows them while ``kv_cache_groups`` is
+    empty."""
+    changed = 0
+    with transaction.atomic():
+        for model, groups in learned.items():
+            if not groups:
+                continue
+            described = [
+                KVCacheGroup(*groups.get(g, ("full_attention", None))) for g in range(max(groups) + 1)
+            ]
+            value = groups_to_json(described)
+            config, created = ModelConfig.objects.select_for_update().get_or_create(
+                name=model, defaults={"block_size": settings.KVCACHE_BLOCK_SIZE}
+            )
+            if created or config.learned_kv_cache_groups != value:
+                config.learned_kv_cache_groups = value
+                config.save(update_fields=["learned_kv_cache_groups", "updated_at"])
+                changed += 1
+    if changed:
+        invalidate_service_config()
+    return changed
 
 
 def check_tokenizer_source(*, model: str, source: str) -> None:

@@ -91,9 +91,11 @@ class ModelConfigSerializer(serializers.ModelSerializer):
             "lora_adapters",
             "max_model_len",
             "hash_lookahead_tokens",
+            "kv_cache_groups",
+            "learned_kv_cache_groups",
             "updated_at",
         ]
-        read_only_fields = ["updated_at"]
+        read_only_fields = ["learned_kv_cache_groups", "updated_at"]
 
 
 class HashSeedSerializer(serializers.ModelSerializer):

@@ -220,6 +220,11 @@ class KVIndex(Protocol):
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         """``lookup`` for each ``(keys, pods)`` query under ``model``, in order, in one round trip."""
 
+    def holders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
+        """The holders of every one of ``keys``, in order, with an empty map for a key nobody holds
+        (``lookup`` stops there; this does not): what the other KV-cache groups of a hybrid model
+        are scored from (``scoring.hybrid``). One round trip."""
+
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
         """Take ``pod`` to hold ``keys`` (a request's block keys, in order) for ``seconds``: a
         router's speculative entry, seen by every reader of this index through ``speculated``

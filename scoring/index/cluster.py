@@ -149,6 +149,7 @@ from scoring.index.redis import (
     _LUA_HELPERS,
     DEFAULT_NAMESPACE,
     DEFAULT_SLICE_BLOCKS,
+    _held_each,
     _held_run,
     _Script,
     decode_name,
@@ -1015,6 +1016,13 @@ class RedisClusterIndex:
                     held.append(decode_name(pod))
             holders.append(held)
         return speculated_runs(points[: len(holders)], holders)
+
+    @_unavailable_on_cluster_error
+    def holders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
+        """Holders of every key (``{}`` where none): one script call per master, all at once."""
+        if not keys:
+            return []
+        return _held_each(self._read_tagged(_model_keys(self._namespace, model).block_prefix, keys))
 
     @_unavailable_on_cluster_error
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:

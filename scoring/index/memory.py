@@ -314,6 +314,22 @@ class MemoryIndex:
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         return [self.lookup(model=model, keys=keys, pods=pods) for keys, pods in queries]
 
+    def holders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
+        """Holders of every key (``{}`` where none); every key held becomes most recent."""
+        out: list[HolderMap] = []
+        with self._lock:
+            get = self._blocks.get
+            touch = self._blocks.move_to_end
+            for key in keys:
+                ident = (model, key)
+                block = get(ident)
+                if block is None:
+                    out.append({})
+                    continue
+                touch(ident)
+                out.append(dict(block.holder_map()))
+        return out
+
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
         now = time.monotonic()
         until = now + seconds

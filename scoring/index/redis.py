@@ -638,6 +638,22 @@ def _held_run(values: Sequence[bytes | None], wanted: Collection[str] | None) ->
     return out
 
 
+def _held_each(values: Sequence[bytes | None]) -> list[HolderMap]:
+    """The holders of every block in an ``MGET``'s answer, ``{}`` where none (each distinct value
+    parsed once, as ``_held_run`` does)."""
+    parsed: dict[bytes, HolderMap] = {}
+    out: list[HolderMap] = []
+    for value in values:
+        if value is None:
+            out.append({})
+            continue
+        holders = parsed.get(value)
+        if holders is None:
+            holders = parsed[value] = _parse_holders(value)
+        out.append(holders)
+    return out
+
+
 def _block_names(block_prefix: bytes, keys: Sequence[BlockKey]) -> list[bytes]:
     """``block_prefix + K`` for every key, K in hex. Done in C (pack, hex with a space every 8
     bytes, one replace, one split) as it is most of a lookup's Python time; ``struct.error``
@@ -963,6 +979,30 @@ class RedisIndex:
         for i, values in zip(asked, pipe.execute(), strict=True):
             out[i] = _held_run(values, wanted[i])
         return out
+
+    @_unavailable_on_connection_error
+    def holders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
+        """Holders of every key (``{}`` where none): one ``MGET``."""
+        if not keys:
+            return []
+        names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
+        return _held_each(self._client.mget(names))
+
+    async def aholders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
+        """``holders`` for an event loop, as ``alookup`` reads."""
+        if not keys:
+            return []
+        reader = self._reader()
+        if reader is None:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self.holders, model=model, keys=keys)
+            )
+        names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
+        try:
+            values = await reader.execute(b"MGET", *names)
+        except (OSError, ConnectionError, TimeoutError, ReplyError) as exc:
+            raise IndexUnavailable(f"the Redis index is unreachable: {exc}") from exc
+        return _held_each(values)
 
     @_unavailable_on_connection_error
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:

@@ -14,7 +14,7 @@ from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
 from ingest.applier import EventApplier
-from ingest.events import BlockStored, EventBatch
+from ingest.events import BlockRemoved, BlockStored, EventBatch
 from ingest.stats import IngestStats
 from scoring import runtime
 from scoring.config import ServiceConfig
@@ -92,10 +92,12 @@ class Engines:
         rank: int | None = None,
         extra_keys: Sequence[ExtraKeys] | None = None,
         lookahead_token_ids: Sequence[Sequence[int]] | None = None,
+        group_idx: int | None = None,
     ) -> int:
         """Cache every full block of ``token_ids`` on ``pod`` (or the first ``len(extra_keys)``
         blocks, each with its extra keys as vLLM sends them; ``lookahead_token_ids`` as vLLM sends
-        them with lookahead hashing); returns how many blocks."""
+        them with lookahead hashing; ``group_idx``, a hybrid model's KV-cache group); returns how
+        many blocks."""
         n = len(token_ids) // BLOCK_SIZE if extra_keys is None else len(extra_keys)
         if block_hashes is None:
             block_hashes = block_keys(token_ids, seed=SEED, block_size=BLOCK_SIZE, lora_name=lora_name)
@@ -108,7 +110,7 @@ class Engines:
             tier=tier,
             lora_name=lora_name,
             extra_keys=None if extra_keys is None else tuple(extra_keys),
-            group_idx=None,
+            group_idx=group_idx,
             lookahead_token_ids=None
             if lookahead_token_ids is None
             else tuple(map(tuple, lookahead_token_ids)),
@@ -116,6 +118,11 @@ class Engines:
         batch = EventBatch(ts=time.time(), events=(event,), data_parallel_rank=rank)
         self.applier.apply(pod=pod, model=model, seq=0, batch=batch)
         return n
+
+    def evict(self, pod: str, block_hashes: Sequence[int], *, group_idx: int | None = None) -> None:
+        """``pod`` evicted these blocks (of KV-cache group ``group_idx``): one BlockRemoved."""
+        event = BlockRemoved(block_hashes=tuple(block_hashes), group_idx=group_idx)
+        self.applier.apply(pod=pod, model=MODEL, seq=0, batch=EventBatch(ts=time.time(), events=(event,)))
 
     def cache_capture(self, pod: str, capture: dict, *, tier: str = "gpu") -> int:
         """The real capture's 25 blocks, with the hashes vLLM reported."""

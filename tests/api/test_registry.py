@@ -10,11 +10,12 @@ import pytest
 import redis
 
 from scoring.api.codecs import json_depth_exceeds
+from scoring.keys import block_keys
 from scoring.models import HashSeed, ModelConfig, Pod
 from scoring.runtime import CONFIG_REFRESH_SECONDS
 from scoring.selectors import load_service_config
 from scoring.streams import publish_snapshot
-from tests.api.conftest import MODEL, post
+from tests.api.conftest import MODEL, SEED, post
 from tests.tokenization import train_tiny_tokenizer
 
 
@@ -158,6 +159,45 @@ def test_lookahead_hashing_is_a_model_setting_of_0_to_64_tokens(staff, index):
         assert refused.status_code == 400
         assert set(refused.json()["error"]["fields"]) == {"hash_lookahead_tokens"}
     assert ModelConfig.objects.get().hash_lookahead_tokens == 2
+
+
+def test_a_hybrid_model_s_groups_set_through_the_api_score_with_vllm_s_hybrid_hit(
+    staff, client, engines, base_capture
+):
+    """Full attention holds the capture; its 32-token sliding window kept only its last 2 blocks.
+    A prompt that ends earlier needs the window's blocks before its end: once the model config
+    describes the groups, it no longer scores (vLLM would recompute it)."""
+    ids = base_capture["token_ids"]
+    n = engines.cache("pod-a", ids, group_idx=0)
+    engines.cache("pod-a", ids, group_idx=1)
+    engines.evict("pod-a", block_keys(ids, seed=SEED, block_size=16)[: n - 2], group_idx=1)
+    shorter = {"token_ids": [*ids[: 10 * 16], 7]}
+    assert scores(client, shorter) == {"pod-a": 10.0}  # no groups configured: full attention alone
+
+    groups = [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 32}]
+    created = staff.post("/api/v1/models/", {"name": MODEL, "kv_cache_groups": groups}, format="json")
+    assert created.status_code == 201
+    assert (created.json()["kv_cache_groups"], created.json()["learned_kv_cache_groups"]) == (groups, [])
+    assert scores(client, shorter) == {}
+    assert scores(client, base_capture) == {"pod-a": float(n)}
+
+
+@pytest.mark.parametrize(
+    ("groups", "says"),
+    [
+        ([{"kind": "sliding_window", "sliding_window": 32}], "group 0 must be full attention"),
+        ([{"kind": "full_attention"}, {"kind": "sliding_window"}], "needs its sliding_window"),
+        ("full_attention", "must be a list"),
+    ],
+)
+def test_kv_cache_groups_the_scorer_cannot_follow_are_refused(staff, index, groups, says):
+    refused = staff.post("/api/v1/models/", {"name": MODEL, "kv_cache_groups": groups}, format="json")
+    assert refused.status_code == 400
+    assert says in str(refused.json()["error"]["fields"]["kv_cache_groups"])
+    learned = staff.post(
+        "/api/v1/models/", {"name": MODEL, "learned_kv_cache_groups": [{"kind": "mamba"}]}, format="json"
+    )
+    assert learned.status_code == 201 and learned.json()["learned_kv_cache_groups"] == []  # read-only
 
 
 def test_a_lookahead_changed_through_the_api_keys_requests_with_it(staff, client, engines, base_capture):

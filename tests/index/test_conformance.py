@@ -97,6 +97,21 @@ def test_lookup_stops_at_the_first_key_without_a_holder(index: KVIndex) -> None:
     assert index.lookup(model=MODEL, keys=[]) == []
 
 
+def test_holders_answers_every_key_without_stopping_at_a_miss(index: KVIndex) -> None:
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A, B, D])
+    index.store(model=MODEL, pod="pod2", tier="cpu", blocks=[D])
+
+    assert index.holders(model=MODEL, keys=keys(FOUR)) == [
+        {"pod1": GPU},
+        {"pod1": GPU},
+        {},
+        {"pod1": GPU, "pod2": CPU},
+    ]
+    assert index.holders(model=MODEL, keys=[C.key]) == [{}]
+    assert index.holders(model=MODEL, keys=[]) == []
+    assert index.holders(model="other/model", keys=keys(FOUR)) == [{}] * 4
+
+
 def test_filtered_lookup_stops_where_the_wanted_pods_stop(index: KVIndex) -> None:
     index.store(model=MODEL, pod="long", tier="gpu", blocks=FOUR)
     index.store(model=MODEL, pod="short", tier="gpu", blocks=[A, B])

@@ -171,6 +171,16 @@ def test_alookup_reads_on_the_loop_and_answers_as_lookup_does(index: RedisIndex)
     assert run(index.alookup(model=MODEL, keys=[])) == []
 
 
+def test_aholders_reads_on_the_loop_and_answers_as_holders_does(index: RedisIndex) -> None:
+    blocks = chain(12)
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks[:4] + blocks[8:])
+    index.store(model=MODEL, pod="pod2", tier="cpu", blocks=blocks[6:])
+    want = index.holders(model=MODEL, keys=keys(blocks))
+    assert {} in want and want[-1] == {"pod1": {"gpu"}, "pod2": {"cpu"}}
+    assert run(index.aholders(model=MODEL, keys=keys(blocks))) == want
+    assert run(index.aholders(model=MODEL, keys=[])) == []
+
+
 def test_alookup_on_a_server_that_is_gone_is_index_unavailable() -> None:
     server = RedisServer()
     index = open_index(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)

@@ -376,7 +376,8 @@ def test_unknown_trailing_array_elements_are_ignored():
     declared = [None, "GPU", None, None, 0, "full_attention", 128, None, None, None, None]
     event = array_stored([7], None, [1, 2, 3, 4], 4, *declared, "new")
     batch = decode_batch(pack([1.0, [event, ["BlockRemoved", [7], "GPU", 0, None, None, "new"]], 0, "new"]))
-    assert batch == EventBatch(1.0, (stored(group_idx=0), BlockRemoved((7,), group_idx=0)), 0)
+    described = stored(group_idx=0, kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=128)
+    assert batch == EventBatch(1.0, (described, BlockRemoved((7,), group_idx=0)), 0)
 
 
 def test_unknown_map_keys_are_ignored():
@@ -392,7 +393,13 @@ def test_unknown_map_keys_are_ignored():
         "future_hashes": [[1, 2]],
     }
     batch = decode_batch(pack({"ts": 1.0, "events": [event], "data_parallel_rank": 2, "future": True}))
-    assert batch == EventBatch(1.0, (stored(),), 2)
+    described = stored(kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=4096)
+    assert batch == EventBatch(1.0, (described,), 2)
+
+
+def test_a_group_description_of_another_type_is_dropped_not_the_event():
+    event = array_stored([7], None, [1, 2, 3, 4], 4, None, "GPU", None, None, 1, 7, "4096")
+    assert decode_batch(pack([1.0, [event]])) == EventBatch(1.0, (stored(group_idx=1),), None)
 
 
 def test_batch_may_be_a_map_without_a_rank():

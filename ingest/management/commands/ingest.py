@@ -32,7 +32,7 @@ from scoring.index import KVIndex
 from scoring.index.base import IndexUnavailable
 from scoring.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
 from scoring.runtime import connect_index, get_index, index_is_shared, service_config, set_index
-from scoring.services import expire_pods, record_pods_seen, set_pod_health
+from scoring.services import expire_pods, record_learned_groups, record_pods_seen, set_pod_health
 from scoring.streams import (
     instance_id,
     publish_snapshot,
@@ -176,6 +176,7 @@ class Housekeeping:
         self.prober = prober
         self._registered: dict[str, float] = {}
         self._next_expiry = float("-inf")  # monotonic
+        self._learned_groups: dict = {}
         self._instance = instance_id()
         self._redis = redis.Redis.from_url(settings.REDIS_URL) if index_is_shared() else None
         self._channel_layer = get_channel_layer()
@@ -192,6 +193,10 @@ class Housekeeping:
             self._expire_pods()
         except Exception:
             log.exception("could not expire pods")
+        try:
+            self._record_learned_groups()
+        except Exception:
+            log.exception("could not record the KV-cache groups learned from events")
         snapshot = {**self.stats.snapshot(), "instance": self._instance}
         if self._redis is not None:
             try:
@@ -236,6 +241,13 @@ class Housekeeping:
             record_pods_seen((pod, model, first, last) for pod, (model, first, last) in seen.items())
             for pod, (_, _, last) in seen.items():
                 self._registered[pod] = last
+
+    def _record_learned_groups(self) -> None:
+        """Hybrid models' KV-cache groups events described, into the registry when they change."""
+        learned = {model: dict(groups) for model, groups in list(self.stats.learned_groups.items())}
+        if learned != self._learned_groups:
+            record_learned_groups(learned)
+            self._learned_groups = learned
 
     def _expire_pods(self) -> None:
         days = settings.KVCACHE_POD_EXPIRE_DAYS
