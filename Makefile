@@ -77,8 +77,11 @@ node-deps:
 
 # Lint first: a tree that is not ruff-clean fails the suite (it once failed on main).
 # The suite runs the peer routers too (tests/simulator/test_peers.py): ~25 s to install once.
+# `make test`: lint, the suite (tests/), then `make conformance` (vLLM 0.33's own block manager
+# against ingest and scoring: about a minute, plus its venv's install the first time).
 test: install system-deps bench-peers lint
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory conformance
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -188,7 +188,22 @@ MODEL_FORM = {
     "other_tier_weight": "0.5",
     "lora_adapters": "[]",
     "hash_lookahead_tokens": "0",
+    "kv_cache_groups": "[]",
 }
+
+
+def test_a_hybrid_model_s_groups_are_set_on_the_form_and_learned_ones_shown(staff, index):
+    config = ModelConfig.objects.create(
+        name=MODEL, learned_kv_cache_groups=[{"kind": "full_attention"}, {"kind": "mamba"}]
+    )
+    url = f"/admin/scoring/modelconfig/{config.pk}/change/"
+    page = staff.get(url).content.decode()
+    assert "Learned kv cache groups" in page and "mamba" in page
+    groups = '[{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 1024}]'
+    assert staff.post(url, {**MODEL_FORM, "kv_cache_groups": groups}).status_code == 302
+    assert service_config().model(MODEL).kv_cache_groups[1].sliding_window == 1024
+    refused = staff.post(url, {**MODEL_FORM, "kv_cache_groups": '[{"kind": "mamba"}]'})
+    assert "group 0 must be full attention" in refused.content.decode()
 
 
 def test_a_tokenizer_source_that_does_not_load_is_refused_on_the_form(staff, index, tokenizers):
