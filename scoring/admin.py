@@ -24,7 +24,7 @@ class PodAdmin(admin.ModelAdmin):
         "first_seen",
     )
     list_filter = ("enabled", "health", "model")
-    search_fields = ("pod_id", "model", "address")
+    search_fields = ("pod_id", "model", "address", "event_endpoint")
     readonly_fields = ("health", "health_changed_at", "first_seen", "last_seen", "live_blocks")
     ordering = ("pod_id",)
     actions = ("disable_pods", "enable_pods")

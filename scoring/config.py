@@ -99,6 +99,9 @@ class ServiceConfig:
     """Every registered pod -> the model it serves."""
     replay_endpoints: Mapping[str, str] = field(default_factory=dict)
     """pod -> its registry ``replay_endpoint`` (only pods that have one)."""
+    event_endpoints: Mapping[str, str] = field(default_factory=dict)
+    """pod -> its registry ``event_endpoint``, where its engine's KV-event PUB binds (only pods
+    that have one): ingest replicas share these pods out and connect to them (``ingest.membership``)."""
     down_pods: frozenset[str] = frozenset()
     """Pods the liveness prober found down: they leave scores like disabled ones."""
     unscored_pods: frozenset[str] = field(init=False)

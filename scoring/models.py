@@ -52,6 +52,24 @@ def validate_labels(value: object) -> None:
         raise ValidationError('must be an object of name -> string, e.g. {"zone": "b"}')
 
 
+# tcp://host:port (a name, an IPv4 address or a bracketed IPv6 one: a SUB connects there, so no
+# wildcard) or ipc://path.
+_EVENT_ENDPOINT_TCP = re.compile(
+    r"tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})"
+)
+_EVENT_ENDPOINT_IPC = re.compile(r"ipc://[^\s]+")
+
+
+def validate_event_endpoint(value: str) -> None:
+    """An endpoint ingest can connect a ZeroMQ SUB socket to."""
+    tcp = _EVENT_ENDPOINT_TCP.fullmatch(value)
+    if not (_EVENT_ENDPOINT_IPC.fullmatch(value) or (tcp and 0 < int(tcp.group(1)) < 65536)):
+        raise ValidationError(
+            'must be where the engine\'s KV-event PUB binds, as tcp://host:port (port 1 to 65535, no "*") '
+            'or ipc://path, e.g. "tcp://10.0.0.7:5557"'
+        )
+
+
 MAX_BLOCK_SIZE = 4096
 """vLLM's --block-size takes 1, 8, 16, 32, 64, 128 or 256 tokens; hybrid (attention + Mamba) models
 may pick a larger one themselves (a multiple of 16, e.g. 528). 4096 leaves room for those."""
@@ -119,6 +137,13 @@ class Pod(models.Model):
         help_text="The engine's KV-event replay ROUTER (e.g. tcp://10.0.0.7:5558), which ingest asks "
         "for missed batches; data-parallel rank r uses its port + r. Empty: ingest --replay-port-offset "
         "derives it from the address, else the pod cannot replay.",
+    )
+    event_endpoint = models.CharField(
+        max_length=255,
+        blank=True,
+        validators=[validate_event_endpoint],
+        help_text="Where the engine's KV-event PUB binds (e.g. tcp://10.0.0.7:5557): the ingest replica "
+        "that owns the pod connects to it. Empty: the engine connects to ingest (its --bind).",
     )
     model = models.CharField(max_length=255, db_index=True)
     labels = models.JSONField(

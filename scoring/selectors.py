@@ -40,9 +40,11 @@ def load_service_config() -> ServiceConfig:
         )
         for m in ModelConfig.objects.all()
     }
-    disabled, down, addresses, replay, pods = set(), set(), {}, {}, {}
-    rows = Pod.objects.values_list("pod_id", "model", "enabled", "address", "replay_endpoint", "health")
-    for pod_id, model, enabled, address, replay_endpoint, health in rows:
+    disabled, down, addresses, replay, events, pods = set(), set(), {}, {}, {}, {}
+    rows = Pod.objects.values_list(
+        "pod_id", "model", "enabled", "address", "replay_endpoint", "event_endpoint", "health"
+    )
+    for pod_id, model, enabled, address, replay_endpoint, event_endpoint, health in rows:
         pods[pod_id] = model
         if not enabled:
             disabled.add(pod_id)
@@ -52,6 +54,8 @@ def load_service_config() -> ServiceConfig:
             addresses[pod_id] = address
         if replay_endpoint:
             replay[pod_id] = replay_endpoint
+        if event_endpoint:
+            events[pod_id] = event_endpoint
     return ServiceConfig(
         seed=seed,
         default_block_size=settings.KVCACHE_BLOCK_SIZE,
@@ -61,6 +65,7 @@ def load_service_config() -> ServiceConfig:
         pod_models=frozenset(pods.values()),
         pods=pods,
         replay_endpoints=replay,
+        event_endpoints=events,
         down_pods=frozenset(down),
     )
 

@@ -27,6 +27,7 @@ class PodSerializer(serializers.ModelSerializer):
             "pod_id",
             "address",
             "replay_endpoint",
+            "event_endpoint",
             "model",
             "labels",
             "enabled",
