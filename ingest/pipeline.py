@@ -1,6 +1,10 @@
 """The whole write path in one object: SUB sockets -> shard pool -> one applier per worker ->
 index. The ``ingest`` command, the tests and ``bench/ingest.py`` all run this same pipeline.
 
+With ``processes=N`` (N > 1, Redis backends) the shard workers run in N worker processes
+(``ingest.processes``): this process keeps the SUB sockets, the epochs and catch-ups and the
+merged stats, and each worker process opens its own index through ``index_factory``.
+
 Garbage collection: an in-memory index holds millions of long-lived objects, and CPython's full
 collections traverse all of them (hundreds of milliseconds, stalling every worker). So once a
 second the pipeline collects what the last second left (short: only young objects are
@@ -16,14 +20,15 @@ import dataclasses
 import gc
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
 from ingest.applier import EventApplier, holder_id
 from ingest.events import DEFAULT_LIMITS, DecodeLimits
-from ingest.pool import DecodingHandler, Receiver, ShardPool
+from ingest.pool import Adopt, DecodingHandler, Receiver, ShardPool
+from ingest.processes import ProcessShardPool, ReplaySettings, refuse_memory_index
 from ingest.replay import ReplayClient, ReplayFailed
 from ingest.resync import CatchUp, Fetched
 from ingest.stats import IngestStats
@@ -62,7 +67,17 @@ class IngestPipeline:
         limits: DecodeLimits = DEFAULT_LIMITS,
         replay: ReplayClient | None = None,
         epoch_check_seconds: float | None = EPOCH_CHECK_SECONDS,
+        processes: int = 1,
+        index_factory: Callable[[], KVIndex] | None = None,
+        replica: bool = False,
     ) -> None:
+        """``processes`` > 1 runs ``workers`` threads in each of that many worker processes;
+        then ``index_factory`` (picklable: a worker process calls it to open its own handle on
+        ``index``) is required, and an in-memory ``index`` is refused (``ValueError``)."""
+        if processes > 1:
+            refuse_memory_index(index)
+            if index_factory is None:
+                raise ValueError("processes > 1 needs an index_factory for the worker processes")
         self.stats = stats or IngestStats()
         self.index = index
         self.config = config
@@ -80,6 +95,12 @@ class IngestPipeline:
         self._fetchers = (
             ThreadPoolExecutor(REPLAY_FETCHERS, thread_name_prefix="ingest-replay") if replay else None
         )
+        # Replica mode (``hold``): the pods this process holds, and those another replica does.
+        self.replica = replica
+        self._held: frozenset[str] = frozenset()
+        self._foreign: frozenset[str] = frozenset()
+        self._hold_lock = threading.Lock()
+        self._started = False
 
         def handler_factory(_worker: int):
             applier = EventApplier(index, config=config, stats=self.stats)
@@ -88,9 +109,25 @@ class IngestPipeline:
             self.handlers.append(handler)
             return handler
 
-        self.pool = ShardPool(
-            workers=workers, handler_factory=handler_factory, queue_size=queue_size, stats=self.stats
-        )
+        self.pool: ShardPool | ProcessShardPool
+        if processes > 1:
+            assert index_factory is not None
+            self.pool = ProcessShardPool(
+                processes=processes,
+                threads=workers,
+                queue_size=queue_size,
+                stats=self.stats,
+                config=config,
+                index_factory=index_factory,
+                limits=limits,
+                replay=ReplaySettings.of(replay) if replay else None,
+                gc_freeze_seconds=gc_freeze_seconds,
+                on_restart=self._catch_up_process,
+            )
+        else:
+            self.pool = ShardPool(
+                workers=workers, handler_factory=handler_factory, queue_size=queue_size, stats=self.stats
+            )
         self.receiver = Receiver(
             pool=self.pool,
             stats=self.stats,
@@ -99,6 +136,7 @@ class IngestPipeline:
             topic=topic,
             context=context,
             limits=limits,
+            managed_connect=replica,
         )
         self._thread = threading.Thread(target=self.receiver.run, name="ingest-receiver", daemon=True)
 
@@ -110,6 +148,8 @@ class IngestPipeline:
     def start(self) -> None:
         """Start receiving; first queue a catch-up of every engine that can replay (what it
         sent while ingest was down), and mark the models whose index data is missing."""
+        with self._hold_lock:
+            self._started = True
         self.pool.start()
         self._start_epochs()
         self._thread.start()
@@ -128,6 +168,9 @@ class IngestPipeline:
             pod, _, rank = holder.partition(DP_RANK_SEPARATOR)
             found.add((pod, m, int(rank) if rank.isdigit() else 0))
         found.update((s.pod, s.model, s.rank) for s in self.stats.streams())
+        if self.replica:
+            heard = {s.pod for s in self.stats.streams()}
+            found = {e for e in found if self._indexes(e[0], heard)}
         return sorted(
             e for e in found if (model is None or e[1] == model) and e[0] not in config.disabled_pods
         )
@@ -190,12 +233,20 @@ class IngestPipeline:
         parsed = parse_marker(self.index.epochs([model])[0])
         self._epochs[model] = parsed[0] if parsed else token
 
-    def _catch_up(self, model: str, *, lost: bool) -> None:
-        """Queue a catch-up of every engine of ``model``; once all ran, a marker of this
-        process that says resyncing says ready. The replays are read by a pool of threads
-        first (from the seq the index records, or 0), all at once: engines that do not answer
-        cost their timeout there, not the shard workers."""
-        engines = self.engines(model)
+    def _catch_up_process(self, process: int) -> None:
+        """Worker process ``process`` was restarted: catch up every engine of its pods (from
+        the seqs the index records), as on start."""
+        assert isinstance(self.pool, ProcessShardPool)
+        pool = self.pool
+        for model in sorted({m for _, m, _ in self.engines()}):
+            self._catch_up(model, lost=False, pods=lambda pod: pool.shard(pod) == process)
+
+    def _catch_up(self, model: str, *, lost: bool, pods: Callable[[str], bool] | None = None) -> None:
+        """Queue a catch-up of every engine of ``model`` (of the ``pods`` it names, if given);
+        once all ran, a marker of this process that says resyncing says ready. The replays are
+        read by a pool of threads first (from the seq the index records, or 0), all at once:
+        engines that do not answer cost their timeout there, not the shard workers."""
+        engines = [e for e in self.engines(model) if pods is None or pods(e[0])]
         if not lost:
             config = self.config()
             engines = [e for e in engines if e[0] not in config.down_pods]
@@ -268,10 +319,84 @@ class IngestPipeline:
             gc.collect()
             gc.freeze()
 
+    # -- replica mode: the pods this process holds (``ingest.membership``) -------------------------
+
+    def hold(self, held: Mapping[str, str], *, foreign: Collection[str]) -> None:
+        """Index exactly the ``held`` pods (pod -> the endpoint its engine's PUB binds) of those
+        the replicas share out, and ignore the messages of the ``foreign`` ones (another replica
+        holds them). The receiver connects to the held endpoints (and drops the others) within a
+        poll. A pod newly held was indexed by another replica (or by none) until now: its worker
+        first adopts the seq the index records of each of its engines (queued before the pod's
+        first live message), then the engines are caught up from there through their replay
+        endpoints, once at once and once more ``SUBSCRIBED_SECONDS`` later (what an engine sent
+        before the new subscription reached it). Pods without an event endpoint are received
+        as without replicas (``bind``)."""
+        with self._hold_lock:
+            if self._stopped.is_set():
+                return
+            taken = sorted(set(held) - self._held)
+            self._held, self._foreign = frozenset(held), frozenset(foreign)
+            recorded = self._adopt(taken) if self._started and taken else None
+            self.receiver.set_connected(set(held.values()), foreign=self._foreign)
+        if recorded is not None:
+            self._catch_up_taken(recorded)
+            threading.Thread(
+                target=self._catch_up_taken_once_subscribed, args=(taken,), name="ingest-take", daemon=True
+            ).start()
+
+    def _indexes(self, pod: str, heard: Collection[str]) -> bool:
+        """Replica mode: whether this process indexes ``pod``'s engines (catch-ups, epochs): a
+        pod it holds, or a pod no replica holds (no event endpoint) that it has ``heard`` from."""
+        return pod in self._held or (pod not in self._foreign and pod in heard)
+
+    def _adopt(self, pods: Collection[str]) -> dict[tuple[str, str, int], int | None]:
+        """Queue an ``Adopt`` for every engine of ``pods`` with the seq the index records (none
+        when the index cannot say: the workers then go on from what they remember); returns
+        ``(pod, model, rank) -> recorded seq`` of the engines."""
+        engines = {e for e in self.engines() if e[0] in pods}
+        try:
+            recorded = self.index.progress()
+        except IndexUnavailable as e:
+            log.warning("could not read where the pods taken over stand (%s): they catch up from memory", e)
+            return dict.fromkeys(engines)
+        for m, holder in recorded:
+            pod, _, rank = holder.partition(DP_RANK_SEPARATOR)
+            if pod in pods:
+                engines.add((pod, m, int(rank) if rank.isdigit() else 0))
+        out = {}
+        for pod, model, rank in sorted(engines):
+            seq = out[(pod, model, rank)] = recorded.get((model, holder_id(pod, rank)))
+            self.pool.submit(Adopt(pod, model, rank, recorded=seq))
+        return out
+
+    def _catch_up_taken(self, engines: Mapping[tuple[str, str, int], int | None]) -> None:
+        """Catch ``engines`` up from their recorded seqs (+1), the replays read by the fetchers."""
+        for (pod, model, rank), seq in engines.items():
+            item = CatchUp(pod, model, rank)
+            if self._fetchers is None:
+                self.pool.submit(item)
+                continue
+            with contextlib.suppress(RuntimeError):  # the pipeline stopped meanwhile
+                self._fetchers.submit(self._fetch_then_queue, item, 0 if seq is None else seq + 1)
+
+    def _catch_up_taken_once_subscribed(self, pods: list[str]) -> None:
+        if self._stopped.wait(SUBSCRIBED_SECONDS):
+            return
+        with self._hold_lock:
+            pods = [pod for pod in pods if pod in self._held]
+        recorded: dict[tuple[str, str], int] = {}
+        with contextlib.suppress(IndexUnavailable):  # then read from 0: the same, longer
+            recorded = self.index.progress()
+        self._catch_up_taken(
+            {(p, m, r): recorded.get((m, holder_id(p, r))) for p, m, r in self.engines() if p in pods}
+        )
+
     def forget_pod(self, pod: str) -> None:
         """Drop per-pod state everywhere (the pod was disabled or deleted)."""
         for handler in self.handlers:
             handler.applier.forget(pod)
             handler.keeper.forget(pod)
+        if isinstance(self.pool, ProcessShardPool):
+            self.pool.forget_pod(pod)
         self.receiver.forget_pod(pod)
         self.stats.forget_pod(pod)

@@ -14,13 +14,13 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
 
-from ingest.applier import EventApplier
+from ingest.applier import EventApplier, holder_id
 from ingest.events import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode_batch, parse_seq, parse_topic
 from ingest.ratelimit import RateLimitedLog
 from ingest.replay import ReplayClient
@@ -51,6 +51,17 @@ class Received:
     seq: int
     payload: bytes
     received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt(CatchUp):
+    """Not a replay: engine ``rank`` of ``pod`` was indexed by another ingest replica until now
+    (``ingest.membership``), so what its worker remembers of it is stale. The worker takes the
+    seq the index records (``recorded``, read when the pod was taken; None: nothing applied) as
+    the engine's last one. Queued before the pod's first live message and its catch-up, which
+    then starts from there. (A ``CatchUp`` so that it travels where the pod's catch-ups do.)"""
+
+    recorded: int | None = None
 
 
 class Handler(Protocol):
@@ -87,15 +98,36 @@ MAX_MESSAGES_PER_FLUSH = 64
 """Messages in one parcel, which a worker stages and then flushes in one index round trip."""
 
 
+class Dispatcher(Protocol):
+    """Where the receiver hands messages: a ``ShardPool`` (threads) or, with ``ingest
+    --processes N``, an ``ingest.processes.ProcessShardPool``."""
+
+    def shard(self, pod: str) -> int: ...
+
+    def submit_parcel(self, worker: int, items: list[Received | CatchUp]) -> None: ...
+
+
 class ShardPool:
-    """``workers`` threads, each draining its own bounded queue through ``handler``."""
+    """``workers`` threads, each draining its own bounded queue through ``handler``.
+
+    ``sharded_by``: the pods given to this pool are already those of one shard of
+    ``fnv1a_32(pod) % sharded_by`` (one of that many worker processes), so the threads divide
+    by the rest of the hash (``fnv1a_32(pod) // sharded_by % workers``); else every pod of a
+    process would hash to the same thread."""
 
     def __init__(
-        self, *, workers: int, handler_factory: Callable[[int], Handler], queue_size: int, stats: IngestStats
+        self,
+        *,
+        workers: int,
+        handler_factory: Callable[[int], Handler],
+        queue_size: int,
+        stats: IngestStats,
+        sharded_by: int = 1,
     ):
         if workers < 1:
             raise ValueError("workers must be at least 1")
         self.stats = stats
+        self._sharded_by = sharded_by
         # Queues hold parcels of up to MAX_MESSAGES_PER_FLUSH messages; queue_size counts messages.
         parcels = max(2, -(-queue_size // MAX_MESSAGES_PER_FLUSH))
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=parcels) for _ in range(workers)]
@@ -117,7 +149,7 @@ class ShardPool:
     def shard(self, pod: str) -> int:
         found = self._shard_of.get(pod)
         if found is None:
-            found = self._shard_of[pod] = fnv1a_32(pod.encode()) % len(self.queues)
+            found = self._shard_of[pod] = fnv1a_32(pod.encode()) // self._sharded_by % len(self.queues)
         return found
 
     def submit(self, item: Received | CatchUp) -> None:
@@ -152,6 +184,10 @@ class ShardPool:
             if time.monotonic() > deadline:
                 raise TimeoutError("ingest workers did not become idle")
             time.sleep(0.002)
+
+    def idle(self) -> bool:
+        """Whether every message queued so far has been handled (written)."""
+        return not any(q.unfinished_tasks for q in self.queues) and not any(self._in_jobs)
 
     def depths(self) -> list[int]:
         return [q.qsize() for q in self.queues]
@@ -280,7 +316,7 @@ class Receiver:
     def __init__(
         self,
         *,
-        pool: ShardPool,
+        pool: Dispatcher,
         stats: IngestStats,
         bind: Sequence[str] = (),
         connect: Sequence[str] = (),
@@ -288,8 +324,9 @@ class Receiver:
         rcvhwm: int = 100_000,
         context: zmq.Context | None = None,
         limits: DecodeLimits = DEFAULT_LIMITS,
+        managed_connect: bool = False,
     ) -> None:
-        if not bind and not connect:
+        if not bind and not connect and not managed_connect:
             raise ValueError("give at least one endpoint to bind or connect")
         self.pool = pool
         self.stats = stats
@@ -316,9 +353,56 @@ class Receiver:
                 raise
         self._stop = threading.Event()
         self._pods: set[str] = set()  # pods received from (bounded by limits.max_pods)
+        self._rcvhwm = rcvhwm
+        # The connect set (``set_connected``): wished by any thread, applied by the receiving one.
+        self._wanted: frozenset[str] | None = None
+        self._wanted_lock = threading.Lock()
+        self._managed: zmq.Socket | None = None
+        self.connected: frozenset[str] = frozenset()
+        self.foreign: frozenset[str] = frozenset()
+        """Pods whose messages are dropped: another ingest replica holds them (``set_connected``)."""
+        self.foreign_messages = 0
 
     def stop(self) -> None:
         self._stop.set()
+
+    def set_connected(self, endpoints: Collection[str], *, foreign: Collection[str] = ()) -> None:
+        """Connect one SUB socket to exactly ``endpoints`` (engines' bound PUBs), adding and
+        dropping connections within a poll (100 ms), and drop the messages of the ``foreign``
+        pods from now on, whichever socket they arrive on (another replica holds them)."""
+        self.foreign = frozenset(foreign)
+        with self._wanted_lock:
+            self._wanted = frozenset(endpoints)
+
+    def _apply_connections(self, poller: zmq.Poller) -> None:
+        """On the receiving thread (ZeroMQ sockets are not thread-safe): make the connections
+        of the managed socket what ``set_connected`` last asked for."""
+        with self._wanted_lock:
+            wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return
+        if self._managed is None:
+            self._managed = self.context.socket(zmq.SUB)
+            self.sockets.append(self._managed)
+            self._managed.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            self._managed.setsockopt(zmq.LINGER, 0)
+            self._managed.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+            poller.register(self._managed, zmq.POLLIN)
+        connected = set(self.connected)
+        for endpoint in sorted(connected - wanted):
+            connected.discard(endpoint)
+            try:
+                self._managed.disconnect(endpoint)
+            except zmq.ZMQError as e:
+                log.warning("could not disconnect from %s: %s", endpoint, e)
+        for endpoint in sorted(wanted - connected):
+            try:
+                self._managed.connect(endpoint)
+            except zmq.ZMQError as e:
+                log.warning("could not connect to %s: %s", endpoint, e)
+                continue
+            connected.add(endpoint)
+        self.connected = frozenset(connected)
 
     def forget_pod(self, pod: str) -> None:
         """``pod`` is gone (deleted from the registry): it no longer counts against max_pods."""
@@ -331,6 +415,7 @@ class Receiver:
             poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                self._apply_connections(poller)
                 for sock, _ in poller.poll(100):
                     # Drain what is ready without going back to poll for every message, and
                     # hand it over in per-worker parcels.
@@ -361,6 +446,9 @@ class Receiver:
                 raise DecodeError("frames", f"expected 3 frames (topic, seq, payload), got {len(frames)}")
             pod, model = parse_topic(frames[0], self.topic, max_name_chars=self.limits.max_name_chars)
             seq = parse_seq(frames[1])
+            if pod in self.foreign:
+                self.foreign_messages += 1
+                return None
             if pod not in self._pods:
                 if len(self._pods) >= self.limits.max_pods:
                     raise DecodeError("too_many_pods", f"{pod[:80]!r}: already {len(self._pods)} pods")
@@ -397,6 +485,9 @@ class DecodingHandler:
         """Stage ``item``, a slice at a time: the worker flushes where this yields, and lets
         other pods' work in between. Should a step fail, what it staged is dropped (the worker
         then starts ``item`` over: what earlier steps wrote is written again, harmlessly)."""
+        if isinstance(item, Adopt):
+            self.adopt(item)
+            return
         mark = self.applier.pending
         try:
             if isinstance(item, CatchUp):
@@ -424,6 +515,10 @@ class DecodingHandler:
         except Exception:
             self.applier.discard_staged(mark)
             raise
+
+    def adopt(self, item: Adopt) -> None:
+        """Forget what the keeper remembers of the engine and start it over from ``recorded``."""
+        self.keeper.adopt(model=item.model, holder=holder_id(item.pod, item.rank), recorded=item.recorded)
 
     def flush(self) -> None:
         self.applier.flush()

@@ -95,6 +95,17 @@ class StreamKeeper:
         self._progress = dict(progress or {})
         self._engines: dict[tuple[str, str], _Engine] = {}
 
+    def adopt(self, *, model: str, holder: str, recorded: int | None) -> None:
+        """Start engine ``holder`` of ``model`` over from ``recorded``, the last seq the index
+        records of it (``None``: nothing applied): another ingest replica applied it until now,
+        so what this keeper remembers of it is stale (``ingest.membership``)."""
+        key = (model, holder)
+        self._engines.pop(key, None)
+        if recorded is None:
+            self._progress.pop(key, None)
+        else:
+            self._progress[key] = recorded
+
     def accept(
         self, *, pod: str, model: str, seq: int, batch: EventBatch, received_at: float
     ) -> Iterator[None]:

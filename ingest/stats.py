@@ -3,6 +3,10 @@
 One set of plain counters is the truth: workers bump ints on the hot path (each stream is only
 ever written by the one worker its pod hashes to), and readers take snapshots: the Prometheus
 collector at scrape time, and the stats publisher that shares them with the web process.
+
+With worker processes (``ingest --processes N``) each process counts in its own ``IngestStats``
+and ships what changed (``StatsShipper``) every ``ingest.processes.STATS_SECONDS``; the main
+process adds it up (``merge_stats``), so what it reads lags the workers by that much.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Container, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from itertools import islice
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -180,3 +185,120 @@ class IngestStatsCollector(Collector):
             buckets.append((bound, cumulative))
         visible.add_metric([], buckets, self.stats.visible_sum)
         yield visible
+
+
+# --- The stats of worker processes (``ingest --processes N``) ---------------------------------
+
+STREAM_COUNTERS = tuple(f.name for f in fields(StreamStats) if f.type == "int" and f.name != "rank")
+"""A stream's int fields, which only grow: shipped from a worker process as differences, added up."""
+STREAM_TALLIES = tuple(f.name for f in fields(StreamStats) if f.type == "Counter")
+"""Its counters by reason, shipped and added up the same way."""
+STREAM_GAUGES = tuple(
+    f.name for f in fields(StreamStats) if f.name not in ("pod", "rank", *STREAM_COUNTERS, *STREAM_TALLIES)
+)
+"""The rest (model, last seq, times, lag, resyncing): the latest value wins (``first_event_at``:
+the earliest)."""
+
+
+class StatsShipper:
+    """A worker process's side of ``ingest --processes N``: what changed in its ``IngestStats``
+    since the last ``take``, as a picklable delta that ``merge_stats`` adds into the main
+    process's stats. Counters travel as differences, so the merged figures keep growing when a
+    worker process is replaced (its successor counts from 0); what a process counted after its
+    last delta dies with it. Only ``take`` reads the stats it was given; workers write them."""
+
+    def __init__(self, stats: IngestStats) -> None:
+        self.stats = stats
+        self._shipped: dict[tuple[str, int], tuple] = {}  # (pod, rank) -> (stream, counts, tallies, gauges)
+        self._observed = 0  # latencies observed when last taken
+        self._buckets = [0] * len(stats.visible_buckets)
+        self._visible_sum = 0.0
+        self._queue_full: dict = {}
+        self._groups: dict = {}
+
+    def take(self) -> dict:
+        streams = []
+        seen = set()
+        for s in self.stats.streams():
+            key = (s.pod, s.rank)
+            seen.add(key)
+            counts = tuple(getattr(s, f) for f in STREAM_COUNTERS)
+            tallies = tuple(dict(getattr(s, f)) for f in STREAM_TALLIES)
+            gauges = tuple(getattr(s, f) for f in STREAM_GAUGES)
+            before = self._shipped.get(key)
+            if before is not None and before[0] is s and before[1:] == (counts, tallies, gauges):
+                continue
+            self._shipped[key] = (s, counts, tallies, gauges)
+            if before is None or before[0] is not s:  # new, or forgotten and opened again
+                before = (s, (0,) * len(counts), tuple({} for _ in tallies), ())
+            streams.append(
+                (
+                    s.pod,
+                    s.rank,
+                    tuple(new - old for new, old in zip(counts, before[1], strict=True)),
+                    tuple(
+                        {k: n - old.get(k, 0) for k, n in new.items() if n != old.get(k, 0)}
+                        for new, old in zip(tallies, before[2], strict=True)
+                    ),
+                    gauges,
+                )
+            )
+        if len(self._shipped) > len(seen):
+            self._shipped = {k: v for k, v in self._shipped.items() if k in seen}
+        buckets = list(self.stats.visible_buckets)
+        observed = sum(buckets)
+        recent = self.stats.recent_visible_latencies
+        # The newest samples, taken from the right: workers may append meanwhile.
+        samples = list(islice(reversed(recent), min(observed - self._observed, recent.maxlen or 0)))[::-1]
+        visible = (
+            [new - old for new, old in zip(buckets, self._buckets, strict=True)],
+            self.stats.visible_sum - self._visible_sum,
+            samples,
+        )
+        self._observed, self._buckets, self._visible_sum = observed, buckets, self.stats.visible_sum
+        queue_full = dict(self.stats.queue_full)
+        full = {k: n - self._queue_full.get(k, 0) for k, n in queue_full.items()}
+        self._queue_full = queue_full
+        groups = {model: dict(g) for model, g in list(self.stats.learned_groups.items())}
+        changed_groups = groups if groups != self._groups else None
+        self._groups = groups
+        return {
+            "streams": streams,
+            "visible": visible,
+            "queue_full": {k: n for k, n in full.items() if n},
+            "learned_groups": changed_groups,
+        }
+
+
+def merge_stats(
+    stats: IngestStats, delta: dict, *, queue_prefix: str, skip_pods: Container[str] = ()
+) -> None:
+    """Add a worker process's ``StatsShipper.take`` into ``stats`` (the main process's; one
+    thread merges). Its queue_full keys are prefixed with ``queue_prefix`` (the process), and
+    the streams of ``skip_pods`` (forgotten after the worker took the delta) are left out."""
+    for pod, rank, counts, tallies, gauges in delta["streams"]:
+        if pod in skip_pods:
+            continue
+        values = dict(zip(STREAM_GAUGES, gauges, strict=True))
+        stream = stats.stream(pod, rank, values["model"])
+        for name, n in zip(STREAM_COUNTERS, counts, strict=True):
+            if n:
+                setattr(stream, name, getattr(stream, name) + n)
+        for name, added in zip(STREAM_TALLIES, tallies, strict=True):
+            if added:
+                getattr(stream, name).update(added)
+        first = values.pop("first_event_at", None)
+        if first:
+            stream.first_event_at = min(stream.first_event_at, first) if stream.first_event_at else first
+        for name, value in values.items():
+            setattr(stream, name, value)
+    buckets, visible_sum, samples = delta["visible"]
+    for i, n in enumerate(buckets):
+        stats.visible_buckets[i] += n
+    stats.visible_sum += visible_sum
+    stats.recent_visible_latencies.extend(samples)
+    for key, n in delta["queue_full"].items():
+        stats.queue_full[f"{queue_prefix}{key}"] += n
+    for model, groups in (delta["learned_groups"] or {}).items():
+        for group, (kind, sliding_window) in groups.items():
+            stats.learn_group(model, group, kind, sliding_window)

@@ -10,10 +10,12 @@ SIGTERM/SIGINT drain the queues and exit 0.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
 import time
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 
 import redis
@@ -25,13 +27,15 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from ingest.events import DecodeLimits
 from ingest.history import HistoryRecorder, blocks_by_pod
+from ingest.membership import HEARTBEAT_SECONDS, Replica, ReplicaCollector, ReplicaNameTaken, open_membership
 from ingest.pipeline import IngestPipeline
+from ingest.processes import refuse_memory_index
 from ingest.replay import ReplayClient
 from ingest.stats import IngestStats, IngestStatsCollector
-from scoring.index import KVIndex
+from scoring.index import KVIndex, open_index
 from scoring.index.base import IndexUnavailable
 from scoring.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
-from scoring.runtime import connect_index, get_index, index_is_shared, service_config, set_index
+from scoring.runtime import connect_index, get_index, index_is_shared, index_url, service_config, set_index
 from scoring.services import expire_pods, record_learned_groups, record_pods_seen, set_pod_health
 from scoring.streams import (
     instance_id,
@@ -67,6 +71,13 @@ class Command(BaseCommand):
             "--workers", type=int, default=4, help="Worker threads; a pod always maps to one."
         )
         parser.add_argument(
+            "--processes",
+            type=int,
+            default=1,
+            help="Worker processes, each with --workers threads; a pod always maps to one (default 1: "
+            "the workers run in this process). More than 1 needs a Redis index.",
+        )
+        parser.add_argument(
             "--queue-size", type=int, default=10_000, help="Messages queued per worker at most."
         )
         parser.add_argument(
@@ -89,12 +100,29 @@ class Command(BaseCommand):
             default=1.0,
             help="Seconds between registry updates and stats publication (default 1).",
         )
+        parser.add_argument(
+            "--replica",
+            default=None,
+            metavar="NAME",
+            help="Run as replica NAME of several ingest processes sharing the fleet (a Redis index): "
+            "it holds a consistent-hash share of the pods with a registry event_endpoint and connects "
+            "to them, and takes over a stopped replica's pods within 10 s. No default --bind then.",
+        )
 
     def handle(self, *args, **options) -> None:
-        bind = options["bind"] or ([] if options["connect"] else ["tcp://*:5557"])
+        if options["replica"] is not None:
+            check_replica_options(options)
+        default_bind = [] if options["connect"] or options["replica"] is not None else ["tcp://*:5557"]
+        bind = options["bind"] or default_bind
         # Longer than a score waits (KVCACHE_INGEST_INDEX_TIMEOUT): a write may queue behind others.
         set_index(connect_index(timeout=settings.KVCACHE_INGEST_INDEX_TIMEOUT))
         index = get_index()
+        processes = options["processes"]
+        if processes > 1:
+            try:
+                refuse_memory_index(index)
+            except ValueError as e:
+                raise CommandError(str(e)) from None
         wait_for_index(index, timeout=60.0)
         pipeline = IngestPipeline(
             index=index,
@@ -115,14 +143,21 @@ class Command(BaseCommand):
                 port_offset=options["replay_port_offset"],
                 timeout=settings.KVCACHE_REPLAY_TIMEOUT_SECONDS,
             ),
+            processes=processes,
+            index_factory=worker_index_factory() if processes > 1 else None,
+            replica=options["replica"] is not None,
         )
         stats = pipeline.stats
-        prober = liveness_prober(index, stats)
+        replica = join_replica(options["replica"], pipeline) if options["replica"] is not None else None
+        prober = liveness_prober(index, stats, foreign=(lambda: replica.holding.foreign) if replica else None)
         if options["metrics_port"] is not None:
             registry = CollectorRegistry()
             registry.register(IngestStatsCollector(stats))
             if prober is not None:
                 registry.register(LivenessCollector(prober))
+            if replica is not None:
+                foreign_messages = lambda: pipeline.receiver.foreign_messages  # noqa: E731
+                registry.register(ReplicaCollector(replica, foreign_messages=foreign_messages))
             start_http_server(options["metrics_port"], registry=registry)
 
         stopping = threading.Event()
@@ -135,19 +170,60 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, on_signal)
 
         pipeline.start()
+        if replica is not None:
+            replica.start()
         endpoints = ", ".join(
             [*(f"bind {e}" for e in pipeline.bound), *(f"connect {e}" for e in options["connect"])]
+            + ([f"replica {replica.name} of {len(replica.holding.members)}"] if replica else [])
         )
-        self.stdout.write(f"ingest: {endpoints}; topic {options['topic']!r}; {options['workers']} workers")
+        workers = f"{options['workers']} workers"
+        if processes > 1:
+            workers += f" in each of {processes} processes"
+        self.stdout.write(f"ingest: {endpoints}; topic {options['topic']!r}; {workers}")
         self.stdout.flush()
 
         housekeeping = Housekeeping(stats, prober=prober)
         while not stopping.wait(options["housekeeping_interval"]):
             housekeeping.run_once()
         pipeline.stop()
+        if replica is not None:  # after draining: the others take its pods once it wrote them
+            replica.stop(leave=True)
         housekeeping.run_once()
         housekeeping.close()
         self.stdout.write("ingest: stopped", ending="\n")
+
+
+def worker_index_factory() -> Callable[[], KVIndex]:
+    """How an ``ingest --processes N`` worker process opens the index, without Django: what
+    ``connect_index`` does here, as a picklable call."""
+    timeout = settings.KVCACHE_INGEST_INDEX_TIMEOUT
+    return functools.partial(open_index, index_url(), socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
+def check_replica_options(options: dict) -> None:
+    """``--replica`` needs an index the replicas share."""
+    if not index_is_shared():
+        raise CommandError(
+            "--replica needs an index the replicas share (KVCACHE_INDEX_BACKEND=redis or a "
+            "redis-cluster:// URL): an in-memory index cannot hold their membership"
+        )
+
+
+def join_replica(name: str, pipeline: IngestPipeline) -> Replica:
+    """Replica ``name`` of the ingest processes sharing the fleet (``ingest.membership``),
+    joined (its first heartbeat done, its first share handed to ``pipeline``), not started."""
+    try:
+        store = open_membership(index_url(), timeout=HEARTBEAT_SECONDS)
+        replica = Replica(
+            name=name,
+            store=store,
+            config=service_config,
+            on_change=lambda holding: pipeline.hold(holding.held, foreign=holding.foreign),
+        )
+        replica.join()
+    except (ValueError, ReplicaNameTaken, IndexUnavailable) as e:
+        raise CommandError(f"--replica {name}: {e}") from e
+    return replica
 
 
 def wait_for_index(index, *, timeout: float) -> None:
@@ -281,13 +357,24 @@ def quiet_pods(stats: IngestStats) -> set[str]:
     return {pod for pod in service_config().pods if heard.get(pod, 0.0) < quiet_since}
 
 
-def liveness_prober(index: KVIndex, stats: IngestStats) -> LivenessProber | None:
+def liveness_prober(
+    index: KVIndex, stats: IngestStats, *, foreign: Callable[[], Collection[str]] | None = None
+) -> LivenessProber | None:
     """The pod prober of this process: it probes the registry's enabled pods that have an address
-    and writes their health back (``KVCACHE_POD_*``); ``None`` when KVCACHE_POD_DOWN_SECONDS is 0."""
+    and writes their health back (``KVCACHE_POD_*``); ``None`` when KVCACHE_POD_DOWN_SECONDS is 0.
+    ``foreign``: the pods another ingest replica holds (and probes), left out."""
     if settings.KVCACHE_POD_DOWN_SECONDS <= 0:
         return None
+
+    def targets() -> dict[str, str]:
+        found = probe_targets(service_config())
+        if foreign is not None:
+            skipped = foreign()
+            found = {pod: address for pod, address in found.items() if pod not in skipped}
+        return found
+
     return LivenessProber(
-        targets=lambda: probe_targets(service_config()),
+        targets=targets,
         quiet=lambda: quiet_pods(stats),
         index=index,
         on_change=set_pod_health,
