@@ -99,8 +99,15 @@ puts them right; but an engine whose replay no longer reaches back that far is c
 and a clear finds entries through the reverse set only, so those stay until stored and removed
 again (finding them needs a sweep of the model's blocks on every master: not done).
 
-Lookups on an event loop: ``reads_async`` is False; ``alookup`` runs ``lookup`` in the loop's
-thread pool.
+Lookups on an event loop (``alookup``): the same read script per master, each on that loop's
+pipelined connection to the master (``scoring.index.resp``, one per master per loop), every
+master's call written before any reply is awaited (``asyncio.gather``): one round trip, no thread.
+The slot map is redis-py's, as the sync path reads it. Whatever that path would have to repair
+(a redirection, a key its master no longer serves, a master that lost the scripts, a connection
+that failed) sends that call through ``lookup`` in the loop's thread pool instead, which reads the
+slot map again, loads the scripts and resends; a master that does not answer within
+``socket_timeout`` fails the call at once (``IndexUnavailable``). TLS nodes (``ssl``) are read
+through ``lookup`` in the thread pool (``reads_async`` is False).
 """
 
 from __future__ import annotations
@@ -112,6 +119,7 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 from binascii import crc_hqx
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -148,6 +156,7 @@ from scoring.index.base import (
 from scoring.index.redis import (
     _LUA_HELPERS,
     DEFAULT_NAMESPACE,
+    DEFAULT_READ_TIMEOUT,
     DEFAULT_SLICE_BLOCKS,
     _held_each,
     _held_run,
@@ -155,6 +164,7 @@ from scoring.index.redis import (
     decode_name,
     encode_name,
 )
+from scoring.index.resp import ReadConnection, ReplyError
 from scoring.keys import BlockKey, Digest
 
 try:
@@ -738,6 +748,16 @@ class _SlotMap:
         return cls(cache, primaries, owner, replicas, sorted(lowest))
 
 
+@dataclass(slots=True)
+class _LoopReaders:
+    """One event loop's read connections: one per primary, by node name, and those of the slot
+    map last used, in its primaries' order."""
+
+    by_name: dict[str, ReadConnection] = field(default_factory=dict)
+    slot_map: _SlotMap | None = None
+    primaries: list[ReadConnection] = field(default_factory=list)
+
+
 class RedisClusterIndex:
     """A ``KVIndex`` in a Valkey or Redis Cluster (layout and guarantees: module docstring).
 
@@ -778,6 +798,9 @@ class RedisClusterIndex:
         self._client_lock = threading.Lock()
         self._writer = secrets.token_hex(6)  # + the thread: a lease is held per writing thread
         self._slot_map: _SlotMap | None = None
+        self._readers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopReaders] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     def from_url(
@@ -948,17 +971,28 @@ class RedisClusterIndex:
 
     @property
     def reads_async(self) -> bool:
-        """False: ``alookup`` is ``lookup`` in the loop's thread pool."""
-        return False
+        """``alookup`` reads on the event loop: every node is plain TCP (no ``ssl``)."""
+        return not self._options.get("ssl")
 
     async def alookup(
         self, *, model: str, keys: Sequence[BlockKey], pods: Collection[str] | None = None
     ) -> list[HolderMap]:
-        """``lookup`` in the running loop's default thread pool."""
+        """``lookup`` for an event loop, with the same answer: one read script per master on this
+        loop's connection to it, all masters at once, no thread (module docstring). A call the
+        sync path must repair (redirection, lost scripts, a failed connection), and any call
+        before the slot map was first read or with ``ssl``, is ``lookup`` in the loop's default
+        thread pool; a master silent for ``socket_timeout`` is ``IndexUnavailable``."""
         if not keys:
             return []
+        wanted = pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
+        if wanted is not None and not wanted:
+            return []
+        if self.reads_async and self._client is not None:
+            values = await self._aread_tagged(_model_keys(self._namespace, model).block_prefix, keys)
+            if values is not None:
+                return _held_run(values, wanted)
         return await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self.lookup, model=model, keys=keys, pods=pods)
+            None, functools.partial(self.lookup, model=model, keys=keys, pods=wanted)
         )
 
     @_unavailable_on_cluster_error
@@ -980,6 +1014,13 @@ class RedisClusterIndex:
             out[i] = _held_run(values[start:end], wanted[i])
             start = end
         return out
+
+    @_unavailable_on_cluster_error
+    def holders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
+        """Holders of every key (``{}`` where none): one script call per master, all at once."""
+        if not keys:
+            return []
+        return _held_each(self._read_tagged(_model_keys(self._namespace, model).block_prefix, keys))
 
     @_unavailable_on_cluster_error
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
@@ -1016,13 +1057,6 @@ class RedisClusterIndex:
                     held.append(decode_name(pod))
             holders.append(held)
         return speculated_runs(points[: len(holders)], holders)
-
-    @_unavailable_on_cluster_error
-    def holders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
-        """Holders of every key (``{}`` where none): one script call per master, all at once."""
-        if not keys:
-            return []
-        return _held_each(self._read_tagged(_model_keys(self._namespace, model).block_prefix, keys))
 
     @_unavailable_on_cluster_error
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:
@@ -1074,6 +1108,9 @@ class RedisClusterIndex:
             if self._client is not None:
                 self._client.close()
             self._client = None
+        for readers in list(self._readers.values()):
+            for reader in readers.by_name.values():
+                reader.close()
 
     # -- plumbing: the layout ---------------------------------------------------------------------
 
@@ -1157,6 +1194,67 @@ class RedisClusterIndex:
             write=False,
             per_item=True,
         )
+
+    async def _aread_tagged(self, prefix: bytes, keys: Sequence[BlockKey]) -> list[bytes | None] | None:
+        """``_read_tagged`` on this loop's read connections, every master's script sent before
+        any reply is awaited; ``None`` when a master's answer needs the sync path (a redirection,
+        NOSCRIPT, any other error reply, a connection that failed, a slot no master serves)."""
+        hexes = _hex_keys(keys)
+        slot_map = self._map()
+        owner = slot_map.owner
+        groups: list[list[int]] = [[] for _ in slot_map.primaries]
+        for i, h in enumerate(hexes):
+            n = owner[crc_hqx(h, 0) & _SLOT_MASK]
+            if n < 0:
+                return None
+            groups[n].append(i)
+        readers = self._loop_readers(slot_map)
+        asked = [(n, idx) for n, idx in enumerate(groups) if idx]
+        replies = await asyncio.gather(
+            *(
+                readers[n].execute(b"EVALSHA", _READ.sha, b"0", *[prefix + hexes[i] + b"}" for i in idx])
+                for n, idx in asked
+            ),
+            return_exceptions=True,
+        )
+        values: list[bytes | None] = [None] * len(hexes)
+        for (_, idx), reply in zip(asked, replies, strict=True):
+            if isinstance(reply, TimeoutError):  # (an OSError too) a master that does not answer
+                raise IndexUnavailable(f"the Redis cluster index is unreachable: {reply}") from reply
+            if isinstance(reply, (ReplyError, OSError)):
+                return None
+            if isinstance(reply, BaseException):
+                raise reply
+            for i, value in zip(idx, reply, strict=True):
+                values[i] = value
+        return values
+
+    def _loop_readers(self, slot_map: _SlotMap) -> list[ReadConnection]:
+        """This loop's read connection to each primary of ``slot_map``, in its order. Those to
+        nodes that are no longer primaries are closed when the slot map changes."""
+        loop = asyncio.get_running_loop()
+        readers = self._readers.get(loop)
+        if readers is None:
+            readers = self._readers[loop] = _LoopReaders()
+        if readers.slot_map is slot_map:
+            return readers.primaries
+        names = {node.name for node in slot_map.primaries}
+        for name in [name for name in readers.by_name if name not in names]:
+            readers.by_name.pop(name).close()
+        options = self._options
+        for node in slot_map.primaries:
+            if node.name not in readers.by_name:
+                readers.by_name[node.name] = ReadConnection(
+                    host=node.host,
+                    port=node.port,
+                    username=options.get("username"),
+                    password=options.get("password"),
+                    timeout=options.get("socket_timeout") or DEFAULT_READ_TIMEOUT,
+                    connect_timeout=options.get("socket_connect_timeout") or DEFAULT_READ_TIMEOUT,
+                )
+        readers.primaries = [readers.by_name[node.name] for node in slot_map.primaries]
+        readers.slot_map = slot_map
+        return readers.primaries
 
     def _read_epochs(self, models: Sequence[str]) -> list[tuple[bytes | None, bool]]:
         """Per model: the raw ``kv:{M}:epoch`` value, and whether every witness holds its

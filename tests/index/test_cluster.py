@@ -90,7 +90,7 @@ def test_the_backend_setting_names_a_cluster_by_its_seed_nodes(settings) -> None
     index = open_index("redis-cluster://10.0.0.1:6379,[::1]:7000?socket_timeout=0.5&wait_replicas=0")
     assert [(n.host, n.port) for n in index._startup] == [("10.0.0.1", 6379), ("::1", 7000)]
     assert index._options["socket_timeout"] == 0.5 and index.wait_replicas == 0
-    assert index.reads_async is False
+    assert index.reads_async is True
     with pytest.raises(ValueError, match="host:port"):
         open_index("redis-cluster://10.0.0.1")
     with pytest.raises(ValueError, match="unknown"):
