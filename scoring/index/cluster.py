@@ -1,23 +1,33 @@
 """Valkey / Redis Cluster index: one model's blocks spread over every master, each pod's own
 structures in one slot, written in phases that keep the index consistent between them.
 
-Key layout (``kv`` is the ``namespace`` option; ``M``, ``P``, ``T`` are the model, the holder (a
-pod or ``pod#dp<r>``) and the tier, percent-encoded by ``encode_name``; ``K`` is a block key as 16
+Key layout (``kv`` is the ``namespace`` option, ``.2`` the version of the layout, as in
+``redis``; ``M``, ``P``, ``T`` are the model, the holder (a pod or ``pod#dp<r>``) and the tier,
+percent-encoded by ``encode_name``; ``K`` is a block key and ``h`` an engine hash, each as 16
 lower-case hex digits; the hash tag is between the braces)::
 
-    kv:M:b:{K}        STRING "P@T P@T ..."    the (pod, tier) entries of one block key
-    kv:M:s:{K}        STRING "P=U P=U ..."    speculative entries (as in ``redis``), expiring
-    kv:{M@P}:r        SET    "T K" ...        reverse index: every (tier, key) P holds
-    kv:{M@P}:n        HASH   T -> count       entries of r per tier (only tiers with some)
-    kv:{M@P}:e        HASH   engine hash -> digest
-    kv:{M@P}:k        HASH   K -> "h h ..."   the engine hashes of P pointing at K
-    kv:{M@P}:d        SET    "T K" ...        dirty: entries whose block may not match r yet
-    kv:{M@P}:lease    STRING writer token     the writer in the middle of a phase (expires)
-    kv:{M@P}:seq      STRING seq              progress: the last event seq applied for P
-    kv:{M}:pods       SET    P ...            every holder written under M (a superset)
-    kv:{M}:epoch      STRING "G marker"       the model's epoch marker, in generation G
-    kv:M:epoch:{S}    STRING G                a witness of generation G on every master
-    kv:models         SET    model names      models written through any client (a superset)
+    kv.2:M:b:{K}      STRING "P@T P@T ..."    the (pod, tier) entries of one block key
+    kv.2:M:s:{K}      STRING "P=U P=U ..."    speculative entries (as in ``redis``), expiring
+    kv.2:{M@P}:r      SET    "T K" ...        reverse index: every (tier, key) P holds
+    kv.2:{M@P}:n      HASH   T -> count       entries of r per tier (only tiers with some)
+    kv.2:{M@P}:e      HASH   h -> digest      P's engine hashes
+    kv.2:{M@P}:k      HASH   K -> "h h ..."   the engine hashes of P pointing at K, other than K
+                                              itself (implied links, as in ``redis``)
+    kv.2:{M@P}:d      SET    "T K" ...        dirty: entries whose block may not match r yet
+    kv.2:{M@P}:lease  STRING writer token     the writer in the middle of a phase (expires)
+    kv.2:{M@P}:seq    STRING seq              progress: the last event seq applied for P
+    kv.2:{M}:pods     SET    P ...            every holder written under M (a superset)
+    kv.2:{M}:epoch    STRING "G marker"       the model's epoch marker, in generation G
+    kv.2:M:epoch:{S}  STRING G                a witness of generation G on every master
+    kv.2:models       SET    model names      models written through any client (a superset)
+
+The previous layout (``kv:M:b:{K}``, ``kv:{M@P}:...``, ``kv:{M}:...``, ``kv:M:epoch:{S}``,
+``kv:models``) is never read: ingest finds no witnessed epoch marker under ``kv.2`` and rebuilds
+the index from the engines. Its keys waste memory until removed, on every master: ``redis-cli
+-p PORT --scan --pattern PATTERN | xargs -r -n 500 redis-cli -p PORT unlink`` for the patterns
+``'kv:{*'``, ``'kv:*:b:{*'``, ``'kv:*:epoch:{*'`` (``kv:*:s:{*`` expire), then ``unlink
+kv:models`` where it lives (``kv:ingest:*``, ``kv:web:*``, ``kv:history:*``, ``kv:auth:*`` are not
+the index's; ``kv.2`` keys match none of these patterns).
 
 Why this layout (against ``redis``'s, where every key of a model carries ``{M}``, so that a
 whole model lives in one slot of one node):
@@ -62,8 +72,8 @@ Consistency, at every instant (so whatever a reader or a crash sees):
   ``LEASE_SECONDS``); the next writer of that holder takes it over and reconciles those entries
   in its own block round, so a crash leaves no orphan either.
 * The engine-hash maps keep ``redis``'s invariants (an engine hash of P points at a key P holds
-  on some tier; ``k`` is the inverse of ``e``), and ``n`` counts ``r`` by tier: they live in the
-  holder's slot and change only in its scripts.
+  on some tier; ``k`` with the implied links is the inverse of ``e``), and ``n`` counts ``r`` by
+  tier: they live in the holder's slot and change only in its scripts.
 * Writers of one holder never interleave phases: the lease serialises them (ingest writes a pod
   from one thread, but the web process clears pods and models). A lease is held per thread of a
   client, so a writer retrying after an error takes its own phase over. Only a phase that
@@ -85,8 +95,8 @@ Consistency, at every instant (so whatever a reader or a crash sees):
   a master, and a round not acknowledged fails the call (``IndexUnavailable``), which ingest
   retries with backoff; every write is idempotent, so a retried call converges to the same state.
 
-Epoch markers: a model's data spans every master, so the marker does too. ``kv:{M}:epoch`` holds
-``"G marker"``; each master holds a witness ``kv:M:epoch:{S}`` = G at its lowest slot S (``{S}``
+Epoch markers: a model's data spans every master, so the marker does too. ``kv.2:{M}:epoch`` holds
+``"G marker"``; each master holds a witness ``kv.2:M:epoch:{S}`` = G at its lowest slot S (``{S}``
 is a short tag hashing to S). ``epochs`` answers the marker only when every master's witness
 says G: a master that lost its data (restarted empty) lost its witness, so the model reads as
 lost, as when the one server of ``redis`` loses it. ``set_epoch`` keeps G while the marker is
@@ -116,7 +126,6 @@ import asyncio
 import contextlib
 import functools
 import secrets
-import struct
 import threading
 import time
 import weakref
@@ -158,8 +167,10 @@ from scoring.index.redis import (
     DEFAULT_NAMESPACE,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_SLICE_BLOCKS,
+    LAYOUT,
     _held_each,
     _held_run,
+    _hex_keys,
     _Script,
     decode_name,
     encode_name,
@@ -226,28 +237,21 @@ def slot_tag(slot: int) -> bytes:
     return b"%d" % n
 
 
-def _hex_keys(keys: Sequence[BlockKey]) -> list[bytes]:
-    """Each key as 16 hex digits, done in C (``struct.error`` outside 0..2**64-1)."""
-    if not keys:
-        return []
-    return struct.pack(f">{len(keys)}Q", *keys).hex(" ", 8).encode().split(b" ")
-
-
 @dataclass(frozen=True, slots=True)
 class _ModelKeys:
     """Key names and prefixes of one model (see the module docstring)."""
 
-    block_prefix: bytes  # kv:M:b:{
-    speculative_prefix: bytes  # kv:M:s:{
-    witness_prefix: bytes  # kv:M:epoch:{
-    pods: bytes  # kv:{M}:pods
-    epoch: bytes  # kv:{M}:epoch
+    block_prefix: bytes  # kv.2:M:b:{
+    speculative_prefix: bytes  # kv.2:M:s:{
+    witness_prefix: bytes  # kv.2:M:epoch:{
+    pods: bytes  # kv.2:{M}:pods
+    epoch: bytes  # kv.2:{M}:epoch
     model_slot: int
 
 
 @functools.lru_cache(maxsize=1024)
 def _model_keys(namespace: str, model: str) -> _ModelKeys:
-    ns, m = namespace.encode(), encode_name(model)
+    ns, m = namespace.encode() + LAYOUT, encode_name(model)
     return _ModelKeys(
         block_prefix=ns + b":" + m + b":b:{",
         speculative_prefix=ns + b":" + m + b":s:{",
@@ -282,7 +286,7 @@ class _PodKeys:
 def _pod_keys(namespace: str, model: str, pod: str) -> _PodKeys:
     p = encode_name(pod)
     tag = encode_name(model) + b"@" + p
-    prefix = namespace.encode() + b":{" + tag + b"}:"
+    prefix = namespace.encode() + LAYOUT + b":{" + tag + b"}:"
     return _PodKeys(
         lease=prefix + b"lease",
         reverse=prefix + b"r",
@@ -370,7 +374,7 @@ local function store(at)
   call_many('SADD', dirty, mine)
   local next_at = at + 3 + 3 * n
 
-  local fields, links, f = {}, {}, 0
+  local fields, links, f, l = {}, {}, 0, 0
   local simple = distinct
   for i = 1, n do
     if not simple then break end
@@ -380,14 +384,14 @@ local function store(at)
         simple = false
       else
         local h = ARGV[H + i]
-        fields[f + 1], fields[f + 2] = h, digest
-        links[f + 1], links[f + 2], f = keys[i], h, f + 2
+        fields[f + 1], fields[f + 2], f = h, digest, f + 2
+        if h ~= keys[i] then links[l + 1], links[l + 2], l = keys[i], h, l + 2 end
       end
     end
   end
   if simple then
     call_range('HSET', engine, fields, 1, f)
-    call_range('HSET', hashes_of, links, 1, f)
+    call_range('HSET', hashes_of, links, 1, l)
     return n, next_at
   end
 
@@ -398,18 +402,22 @@ local function store(at)
     local cur = now[h]
     if cur == nil then cur = old[i] end
     if cur ~= digest then
-      if cur then
+      local was_key = cur and hex_key(cur)
+      if was_key and was_key ~= h then
         moves = moves + 1
-        move_key[moves], move_hash[moves], move_link[moves] = hex_key(cur), h, false
+        move_key[moves], move_hash[moves], move_link[moves] = was_key, h, false
       end
       now[h] = digest
       fields[f + 1], fields[f + 2], f = h, digest, f + 2
-      moves = moves + 1
-      move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
+      if ARGV[K + i] ~= h then
+        moves = moves + 1
+        move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
+      end
     end
   end
-  if moves == 0 then return n, next_at end
+  if f == 0 then return n, next_at end
   call_range('HSET', engine, fields, 1, f)
+  if moves == 0 then return n, next_at end
 
   local touched, linked = {}, {}
   for m = 1, moves do
@@ -478,7 +486,7 @@ local function remove(at)
   local linked = {}
   for i, key in ipairs(keys) do linked[key] = was[i] end
 
-  local removed, dropped, forgotten, unknown, gone_hashes = 0, {}, {}, {}, {}
+  local removed, dropped, forgotten, forgotten_links, unknown = 0, {}, {}, {}, {}
   for i = 1, n do
     local h, key = ARGV[first + i - 1], key_at[i]
     if key and not unknown[h] and here[key] then
@@ -486,13 +494,13 @@ local function remove(at)
       removed = removed + 1
       dropped[#dropped + 1] = key
       local hs = linked[key]
-      if hs and not elsewhere[key] then
-        for w in string.gmatch(hs, '%S+') do
-          unknown[w] = true
-          gone_hashes[#gone_hashes + 1] = w
+      if hs ~= nil and not elsewhere[key] then
+        if hs then
+          for w in string.gmatch(hs, '%S+') do unknown[w] = true end
         end
         forgotten[#forgotten + 1] = key
-        linked[key] = false
+        forgotten_links[#forgotten] = hs
+        linked[key] = nil
       end
     end
   end
@@ -501,7 +509,7 @@ local function remove(at)
   call_many('SREM', reverse, gone)
   count(tier, -removed)
   call_many('SADD', dirty, gone)
-  call_many('HDEL', engine, gone_hashes)
+  call_many('HDEL', engine, hashes_of_keys(engine, forgotten, forgotten_links))
   call_many('HDEL', hashes_of, forgotten)
   return removed, last
 end
@@ -531,13 +539,7 @@ local function clear(at)
     end
     if #orphans > 0 then
       local linked = call_many('HMGET', hashes_of, orphans)
-      local gone = {}
-      for i = 1, #orphans do
-        if linked[i] then
-          for h in string.gmatch(linked[i], '%S+') do gone[#gone + 1] = h end
-        end
-      end
-      call_many('HDEL', engine, gone)
+      call_many('HDEL', engine, hashes_of_keys(engine, orphans, linked))
       call_many('HDEL', hashes_of, orphans)
     end
     for tier, n in pairs(by_tier) do count(tier, -n) end
@@ -791,7 +793,7 @@ class RedisClusterIndex:
         self._startup = [ClusterNode(host, port) for host, port in startup_nodes]
         self._options = {"socket_connect_timeout": 5, "health_check_interval": 30, **client_options}
         self._namespace = namespace
-        self._models_key = namespace.encode() + b":models"
+        self._models_key = namespace.encode() + LAYOUT + b":models"
         self._models_seen: set[str] = set()
         self._pods_seen: set[tuple[str, str]] = set()
         self._client: RedisCluster | None = None
@@ -850,7 +852,7 @@ class RedisClusterIndex:
 
     @_unavailable_on_cluster_error
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
-        """Remove every entry of ``pod``; with ``model=None`` under every model in ``kv:models``."""
+        """Remove every entry of ``pod``; with ``model=None`` under every model in ``kv.2:models``."""
         models = self._models() if model is None else [model]
         return sum(self.apply_updates([ClearPod(m, pod) for m in models]))
 
@@ -925,7 +927,7 @@ class RedisClusterIndex:
     def set_epoch(self, *, model: str, value: str, if_absent: bool = False) -> bool:
         """Write the marker (module docstring): keep its generation while every witness has it,
         else start a new one; with ``if_absent`` only when the marker reads as absent, by a
-        compare-and-set of ``kv:{M}:epoch``, then the witnesses."""
+        compare-and-set of ``kv.2:{M}:epoch``, then the witnesses."""
         mk = _model_keys(self._namespace, model)
         [(raw, whole)] = self._read_epochs([model])
         if if_absent and whole:
@@ -953,7 +955,7 @@ class RedisClusterIndex:
         if not engine_hashes:
             return []
         pk = _pod_keys(self._namespace, model, pod)
-        return self._round([(pk.slot, ("HMGET", pk.engine, *engine_hashes))])[0]
+        return self._round([(pk.slot, ("HMGET", pk.engine, *_hex_keys(engine_hashes)))])[0]
 
     @_unavailable_on_cluster_error
     def lookup(
@@ -1080,7 +1082,7 @@ class RedisClusterIndex:
 
     @_unavailable_on_cluster_error
     def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
-        """The ``seq`` of every holder listed under ``model`` (every model in ``kv:models``)."""
+        """The ``seq`` of every holder listed under ``model`` (every model in ``kv.2:models``)."""
         models = sorted(self._models()) if model is None else [model]
         holders = self._holders(models)
         seqs = self._round(
@@ -1127,7 +1129,7 @@ class RedisClusterIndex:
     @staticmethod
     def _store_args(tier: Tier, blocks: Sequence[StoredBlock]) -> list[bytes | int]:
         hex_keys = _hex_keys([b.key for b in blocks])
-        engine_hashes = [b.engine_hash for b in blocks]
+        engine_hashes = _hex_keys([b.engine_hash for b in blocks])
         distinct = len(set(hex_keys)) == len(set(engine_hashes)) == len(blocks)
         args: list[bytes | int] = [
             b"S",
@@ -1142,11 +1144,11 @@ class RedisClusterIndex:
 
     @staticmethod
     def _remove_args(tier: Tier, engine_hashes: Sequence[int]) -> list[bytes | int]:
-        return [b"R", encode_name(tier), len(engine_hashes), *engine_hashes]
+        return [b"R", encode_name(tier), len(engine_hashes), *_hex_keys(engine_hashes)]
 
     def _register(self, updates: Sequence[IndexUpdate]) -> None:
-        """Add the models and holders this client writes for the first time to ``kv:models`` and
-        ``kv:{M}:pods`` (what ``pod_blocks``, ``progress`` and ``clear_model`` enumerate), before
+        """Add the models and holders this client writes for the first time to ``kv.2:models`` and
+        ``kv.2:{M}:pods`` (what ``pod_blocks``, ``progress`` and ``clear_model`` enumerate), before
         anything of theirs is written."""
         models: set[str] = set()
         pods: set[tuple[str, str]] = set()
@@ -1257,7 +1259,7 @@ class RedisClusterIndex:
         return readers.primaries
 
     def _read_epochs(self, models: Sequence[str]) -> list[tuple[bytes | None, bool]]:
-        """Per model: the raw ``kv:{M}:epoch`` value, and whether every witness holds its
+        """Per model: the raw ``kv.2:{M}:epoch`` value, and whether every witness holds its
         generation."""
         if not models:
             return []

@@ -1,22 +1,35 @@
 """Redis / Valkey index on one server: shared between processes and replicas, atomic. (For a
 Valkey or Redis Cluster, ``cluster`` spreads each model over every master.)
 
-Key layout (``kv`` is the ``namespace`` option; ``M``, ``P``, ``T`` are the model, pod and tier
-percent-encoded by ``encode_name``; ``K`` is a block key as 16 lower-case hex digits)::
+Key layout (``kv`` is the ``namespace`` option, ``.2`` the version of the layout, ``LAYOUT``;
+``M``, ``P``, ``T`` are the model, pod and tier percent-encoded by ``encode_name``; ``K`` is a
+block key and ``h`` an engine hash, each as 16 lower-case hex digits)::
 
-    kv:{M}:b:K        STRING "P@T P@T ..."         the (pod, tier) entries of one block key
-    kv:{M}:p:P:t:T    SET    K ...                 reverse index: the keys pod P holds on tier T
-    kv:{M}:p:P:e      HASH   engine hash -> digest engine hash (decimal) -> digest bytes
-    kv:{M}:p:P:k      HASH   K -> "h h ..."        the engine hashes of P pointing at K, so that
-                                                   they go when P stops holding K
-    kv:{M}:pods       SET    "P@T" ...             every (pod, tier) with a non-empty reverse set
-    kv:{M}:seq        HASH   H -> seq              progress: the last event seq applied per holder
+    kv.2:{M}:b:K      STRING "P@T P@T ..."         the (pod, tier) entries of one block key
+    kv.2:{M}:p:P:t:T  SET    K ...                 reverse index: the keys pod P holds on tier T
+    kv.2:{M}:p:P:e    HASH   h -> digest           P's engine hashes -> digest bytes
+    kv.2:{M}:p:P:k    HASH   K -> "h h ..."        the engine hashes of P pointing at K, other
+                                                   than K itself, so that they go when P stops
+                                                   holding K (absent when there are none)
+    kv.2:{M}:pods     SET    "P@T" ...             every (pod, tier) with a non-empty reverse set
+    kv.2:{M}:seq      HASH   H -> seq              progress: the last event seq applied per holder
                                                    H (a pod or "pod#dp<r>", encoded), decimal
-    kv:{M}:epoch      STRING opaque marker         set by ingest, removed only with the data
-    kv:{M}:s:K        STRING "P=U P=U ..."         speculative entries at block key K: pod P
+    kv.2:{M}:epoch    STRING opaque marker         set by ingest, removed only with the data
+    kv.2:{M}:s:K      STRING "P=U P=U ..."         speculative entries at block key K: pod P
                                                    until U (Unix ms, the writer's clock); the
                                                    key expires with its last entry
-    kv:models         SET    model names           models written through any client (a superset)
+    kv.2:models       SET    model names           models written through any client (a superset)
+
+An engine hash equal to the key it points at (an aligned engine: every block) is linked to it
+implicitly: ``k`` never lists it, and a key that P stops holding takes with it the words of its
+``k`` field and, if ``e`` points that very hash at it, the key itself. So an aligned pod has no
+``k`` at all, and an entry costs the block string, the reverse-set member and one ``e`` field.
+
+The previous layout (``kv:{M}:...``, ``kv:models``: decimal engine hashes, every link written) is
+never read: on a server that holds it, ingest finds no epoch marker under ``kv.2`` and rebuilds
+the index from the engines (``scoring.epochs``). Its keys only waste memory until removed, e.g.
+``redis-cli --scan --pattern 'kv:{*' | xargs -r -n 500 redis-cli unlink`` and ``redis-cli unlink
+kv:models`` (``kv:ingest:*``, ``kv:web:*``, ``kv:history:*``, ``kv:auth:*`` are not the index's).
 
 A block is a STRING of space-separated entries rather than a HASH so that a lookup is a single
 ``MGET`` of its keys: one command, one round trip, no per-key work on the server beyond a read.
@@ -36,7 +49,7 @@ Why it is safe:
   through the pods set) or are given as arguments (the ``seq`` hash of a ``Progress``); those
   are not declared in ``KEYS`` but share the tag, which Redis and
   Valkey Cluster accept (services that insist on declared keys only are not supported).
-  ``kv:models`` lives in another slot and is only written outside the scripts: one ``SADD`` the
+  ``kv.2:models`` lives in another slot and is only written outside the scripts: one ``SADD`` the
   first time this client writes a model (or its progress). ``clear_model`` leaves it, as other
   clients may have cached the model as seen; enumerating a cleared model just finds nothing.
   ``clear_pod`` and ``clear_model`` leave ``seq`` and ``epoch`` too: progress records what was
@@ -64,8 +77,9 @@ Why it is safe:
   7-15 ms on the server (``bench/index_slices.py``); unsliced, a 65536-block store took ~250 ms
   in one call, a 65536-hash remove ~550 ms and the clear of a 100k-block pod ~575 ms.
 * Consistency: the invariants of ``memory`` hold here too: ``P@T`` is an entry of ``b:K`` iff
-  ``K`` is in ``p:P:t:T``; an engine hash of P points at a key P holds on some tier; ``p:P:k`` is
-  exactly the inverse of ``p:P:e`` (so it has no field for a key P does not hold).
+  ``K`` is in ``p:P:t:T``; an engine hash of P points at a key P holds on some tier; ``p:P:k``
+  with the implied links is exactly the inverse of ``p:P:e`` (so it has no field for a key P
+  does not hold, and never lists a key's own hash).
 
 Cost on the server: the store and remove scripts make a fixed number of variadic commands per
 call, clear_pod per 1000 keys, not a few per block: reads with ``MGET`` / ``HMGET``, writes with
@@ -112,6 +126,9 @@ from scoring.index.resp import ReadConnection, ReplyError
 from scoring.keys import BlockKey, Digest
 
 DEFAULT_NAMESPACE = "kv"
+LAYOUT = b".2"
+"""Appended to the namespace in every key name: the version of the layout. Keys of another layout
+(``kv:...``, the layout before engine hashes were hex and links implied) are never read."""
 DEFAULT_SLICE_BLOCKS = 2048
 DEFAULT_READ_TIMEOUT = 5.0
 """``alookup``'s time-outs when the URL and options set none (redis-py waits forever)."""
@@ -138,12 +155,12 @@ def decode_name(encoded: bytes) -> str:
 class _ModelKeys:
     """Key names and prefixes of one model (see the module docstring)."""
 
-    block_prefix: bytes  # kv:{M}:b:
-    pod_prefix: bytes  # kv:{M}:p:
-    pods: bytes  # kv:{M}:pods
-    seq: bytes  # kv:{M}:seq
-    epoch: bytes  # kv:{M}:epoch
-    speculative_prefix: bytes  # kv:{M}:s:
+    block_prefix: bytes  # kv.2:{M}:b:
+    pod_prefix: bytes  # kv.2:{M}:p:
+    pods: bytes  # kv.2:{M}:pods
+    seq: bytes  # kv.2:{M}:seq
+    epoch: bytes  # kv.2:{M}:epoch
+    speculative_prefix: bytes  # kv.2:{M}:s:
 
     def pod_keys(self, pod: bytes) -> tuple[bytes, bytes, bytes]:
         """The tier-set prefix, engine map and key -> engine hashes map of an encoded pod."""
@@ -153,7 +170,7 @@ class _ModelKeys:
 
 @functools.lru_cache(maxsize=1024)
 def _model_keys(namespace: str, model: str) -> _ModelKeys:
-    tagged = namespace.encode() + b":{" + encode_name(model) + b"}:"
+    tagged = namespace.encode() + LAYOUT + b":{" + encode_name(model) + b"}:"
     return _ModelKeys(
         block_prefix=tagged + b"b:",
         pod_prefix=tagged + b"p:",
@@ -196,8 +213,9 @@ _NO_PROGRESS: _ProgressArgs = (b"", b"", b"")
 
 
 # Shared Lua helpers. Block values and key -> engine hashes values are lists of words separated
-# by single spaces (encoded names and decimal hashes never contain one). A block key K is the hex
-# of the last 8 bytes of a digest. Engine hashes stay strings: Lua numbers cannot hold 64 bits.
+# by single spaces (encoded names and hex hashes never contain one). A block key K is the hex of
+# the last 8 bytes of a digest; an engine hash is hex too (Lua numbers cannot hold 64 bits), so
+# "h is K" is a string comparison.
 #
 # The store and remove scripts make a fixed number of commands per call (clear_pod: per 1000
 # keys), not several per block: they read what the call touches with one variadic command per
@@ -284,6 +302,23 @@ local function save_blocks(names, before, after)
   call_many('MSET', nil, set)
   call_many('DEL', nil, gone)
 end
+-- The engine hashes that go with keys the pod holds on no tier any more: the words of their
+-- key -> hashes entries (linked[i] for keys[i], false: none), and each key that is itself an
+-- engine hash pointing at it (an implied link, never written in the key -> hashes map).
+local function hashes_of_keys(engine, keys, linked)
+  local gone = {}
+  if #keys == 0 then return gone end
+  for i = 1, #keys do
+    if linked[i] then
+      for h in string.gmatch(linked[i], '%S+') do gone[#gone + 1] = h end
+    end
+  end
+  local own = call_many('HMGET', engine, keys)
+  for i, key in ipairs(keys) do
+    if own[i] and hex_key(own[i]) == key then gone[#gone + 1] = key end
+  end
+  return gone
+end
 -- The last three arguments of a write script: the seq hash, the encoded holder and the seq of the
 -- Progress that this call ends (all '' when none). Written as the call's last command, so
 -- atomically with it; not while the call leaves work to a next call of the same update.
@@ -295,10 +330,11 @@ end
 
 # KEYS: tier set, engine map, key -> hashes map, pods set, then the n blocks.
 # ARGV: field "P@T", pod field prefix "P@", "1" if no block key and no engine hash appears twice
-# in the call (else "0"), then the n block keys K, the n engine hashes and the n digests, in
-# block order, then the progress triple (see record_progress).
-# Commands: MGET, HMGET, MSET, SADD x2, HSET x2; one more HMGET (and an HDEL) in the rare cases
-# that a hash is re-pointed, a held block gets a new hash, or a key or hash repeats in the call.
+# in the call (else "0"), then the n block keys K, the n engine hashes h (both hex) and the n
+# digests, in block order, then the progress triple (see record_progress).
+# Commands: MGET, HMGET, MSET, SADD x2, HSET x2 (one when every h is its K); one more HMGET (and
+# an HDEL) in the rare cases that a hash is re-pointed, a held block gets a new hash, or a key or
+# hash repeats in the call.
 _STORE = _Script(
     "#!lua\n"
     + _LUA_HELPERS
@@ -319,7 +355,7 @@ local function run()
   local before = call_range('MGET', nil, KEYS, 5, 4 + n)
   local old = call_range('HMGET', engine, ARGV, H + 1, H + n)
   local set, s = {}, 0
-  local fields, links, f = {}, {}, 0
+  local fields, links, f, l = {}, {}, 0, 0
   local simple = distinct
   for i = 1, n do
     local cur = before[i]
@@ -334,9 +370,9 @@ local function run()
         if was or (cur and has_prefix(cur, pod_prefix)) then
           simple = false
         else
-          local h = ARGV[H + i]
-          fields[f + 1], fields[f + 2] = h, digest
-          links[f + 1], links[f + 2], f = ARGV[K + i], h, f + 2
+          local h, key = ARGV[H + i], ARGV[K + i]
+          fields[f + 1], fields[f + 2], f = h, digest, f + 2
+          if h ~= key then links[l + 1], links[l + 2], l = key, h, l + 2 end
         end
       end
     end
@@ -346,13 +382,14 @@ local function run()
   redis.call('SADD', pods, field)
   if simple then
     call_range('HSET', engine, fields, 1, f)
-    call_range('HSET', hashes_of, links, 1, f)
+    call_range('HSET', hashes_of, links, 1, l)
     return n
   end
 
   -- The general path: replay the hashes in order; a change links (K, hash) and, when the hash
-  -- pointed at another block, first unlinks (old K, hash). Then read the links of every key
-  -- touched, replay the moves on them and write back what changed.
+  -- pointed at another block, first unlinks (old K, hash); a link of a key to itself is implied,
+  -- never written. Then read the links of every key touched, replay the moves on them and write
+  -- back what changed.
   local now, moves, move_key, move_hash, move_link = {}, 0, {}, {}, {}
   fields, links, f = {}, {}, 0
   for i = 1, n do
@@ -360,18 +397,22 @@ local function run()
     local cur = now[h]
     if cur == nil then cur = old[i] end
     if cur ~= digest then
-      if cur then
+      local was_key = cur and hex_key(cur)
+      if was_key and was_key ~= h then
         moves = moves + 1
-        move_key[moves], move_hash[moves], move_link[moves] = hex_key(cur), h, false
+        move_key[moves], move_hash[moves], move_link[moves] = was_key, h, false
       end
       now[h] = digest
       fields[f + 1], fields[f + 2], f = h, digest, f + 2
-      moves = moves + 1
-      move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
+      if ARGV[K + i] ~= h then
+        moves = moves + 1
+        move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
+      end
     end
   end
-  if moves == 0 then return n end
+  if f == 0 then return n end
   call_range('HSET', engine, fields, 1, f)  -- a hash named twice: the last (newest) digest wins
+  if moves == 0 then return n end
 
   local keys, linked = {}, {}
   for m = 1, moves do
@@ -423,7 +464,8 @@ return stored
 # ARGV: field "P@T", block prefix, pod field prefix "P@", then the engine hashes, then the
 # progress triple (see record_progress).
 # Commands: HMGET, and when a hash is known MGET + HMGET, then MSET / DEL of the blocks, SREM,
-# HDEL x2, EXISTS (+ SREM) for what changed.
+# HMGET (the implied links of the keys the pod no longer holds) + HDEL x2, EXISTS (+ SREM) for
+# what changed.
 _REMOVE = _Script(
     "#!lua\n"
     + _LUA_HELPERS
@@ -461,7 +503,7 @@ local function run()
 
   -- Replay the hashes in order: drop the entry from its block; when the pod then holds the block
   -- on no tier, every engine hash pointing at it goes (later hashes among them are unknown).
-  local removed, dropped, forgotten, unknown, gone_hashes = 0, {}, {}, {}, {}
+  local removed, dropped, forgotten, forgotten_links, unknown = 0, {}, {}, {}, {}
   for i = 1, last - 3 do
     local h, key = ARGV[3 + i], key_at[i]
     if key and not unknown[h] then
@@ -473,13 +515,13 @@ local function run()
         removed = removed + 1
         dropped[#dropped + 1] = key
         local hs = linked[key]
-        if hs and not (rest and has_prefix(rest, pod_prefix)) then
-          for w in string.gmatch(hs, '%S+') do
-            unknown[w] = true
-            gone_hashes[#gone_hashes + 1] = w
+        if hs ~= nil and not (rest and has_prefix(rest, pod_prefix)) then
+          if hs then
+            for w in string.gmatch(hs, '%S+') do unknown[w] = true end
           end
           forgotten[#forgotten + 1] = key
-          linked[key] = false
+          forgotten_links[#forgotten] = hs
+          linked[key] = nil
         end
       end
     end
@@ -487,7 +529,7 @@ local function run()
   if removed == 0 then return 0 end
   save_blocks(block_names, before, after)
   call_many('SREM', tier_set, dropped)
-  call_many('HDEL', engine, gone_hashes)
+  call_many('HDEL', engine, hashes_of_keys(engine, forgotten, forgotten_links))
   call_many('HDEL', hashes_of, forgotten)
   if redis.call('EXISTS', tier_set) == 0 then redis.call('SREM', pods, field) end
   return removed
@@ -500,11 +542,11 @@ return removed
 )
 
 # KEYS: pods set, engine map, key -> hashes map.
-# ARGV: pod field prefix "P@", block prefix, tier-set prefix "kv:{M}:p:P:t:", the most entries
+# ARGV: pod field prefix "P@", block prefix, tier-set prefix "kv.2:{M}:p:P:t:", the most entries
 # to remove (>= 1), then the progress triple (see record_progress), recorded by the call that
 # finishes the clear. Returns {entries removed, 1 if the pod has entries left else 0}.
-# Commands per 1000 entries: SPOP, MGET, MSET / DEL of the blocks, HMGET + HDEL x2 for the keys
-# the pod then holds on no tier; per tier: EXISTS, SREM.
+# Commands per 1000 entries: SPOP, MGET, MSET / DEL of the blocks, HMGET x2 + HDEL x2 for the
+# keys the pod then holds on no tier; per tier: EXISTS, SREM.
 _CLEAR_POD = _Script(
     "#!lua\n"
     + _LUA_HELPERS
@@ -527,13 +569,7 @@ local function drop(field, keys)
   save_blocks(block_names, before, after)
   if #orphans == 0 then return end
   local linked = redis.call('HMGET', hashes_of, unpack(orphans))
-  local gone = {}
-  for i = 1, #orphans do
-    if linked[i] then
-      for h in string.gmatch(linked[i], '%S+') do gone[#gone + 1] = h end
-    end
-  end
-  call_many('HDEL', engine, gone)
+  call_many('HDEL', engine, hashes_of_keys(engine, orphans, linked))
   redis.call('HDEL', hashes_of, unpack(orphans))
 end
 
@@ -572,7 +608,7 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 0
 """)
 
-# KEYS: pods set. ARGV: pod prefix "kv:{M}:p:". Returns a flat list: "P@T", count, ...
+# KEYS: pods set. ARGV: pod prefix "kv.2:{M}:p:". Returns a flat list: "P@T", count, ...
 _POD_BLOCKS = _Script("""#!lua flags=no-writes
 local out = {}
 for _, field in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -584,7 +620,7 @@ end
 return out
 """)
 
-# KEYS: the speculative keys kv:{M}:s:K of one request. ARGV: encoded pod P, now and until (Unix
+# KEYS: the speculative keys kv.2:{M}:s:K of one request. ARGV: encoded pod P, now and until (Unix
 # ms, integers). Each key keeps its unexpired entries of other pods, gets "P=until", and expires
 # with the last of its entries.
 _SPECULATE = _Script("""#!lua
@@ -652,6 +688,14 @@ def _held_each(values: Sequence[bytes | None]) -> list[HolderMap]:
             holders = parsed[value] = _parse_holders(value)
         out.append(holders)
     return out
+
+
+def _hex_keys(values: Sequence[int]) -> list[bytes]:
+    """Each block key or engine hash as 16 lower-case hex digits, done in C (``struct.error``
+    outside 0..2**64-1)."""
+    if not values:
+        return []
+    return struct.pack(f">{len(values)}Q", *values).hex(" ", 8).encode().split(b" ")
 
 
 def _block_names(block_prefix: bytes, keys: Sequence[BlockKey]) -> list[bytes]:
@@ -760,7 +804,7 @@ class RedisIndex:
         self.slice_blocks = slice_blocks
         self._client = client
         self._namespace = namespace
-        self._models_key = namespace.encode() + b":models"
+        self._models_key = namespace.encode() + LAYOUT + b":models"
         self._models_seen: set[str] = set()  # set.add is atomic: no lock needed
         self._read_url: str | None = None  # set by from_url: what alookup connects to
         self._read_timeouts = (1.0, 1.0)
@@ -808,7 +852,7 @@ class RedisIndex:
     @_unavailable_on_connection_error
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod``; returns the number of ``(key, tier)`` entries. With
-        ``model=None`` it walks every model in ``kv:models``."""
+        ``model=None`` it walks every model in ``kv.2:models``."""
         models = self._models() if model is None else [model]
         return sum(self.apply_updates([ClearPod(m, pod) for m in models]))
 
@@ -830,7 +874,7 @@ class RedisIndex:
         Another client may see a prefix of the calls applied. A ``Progress`` rides as the last
         arguments of the (last) call of the update before it, or else is a call of its own.
         Empty stores and removes are not sent; models this client has not written yet are added
-        to ``kv:models`` in the first pipeline. ``TypeError`` for anything that is not an
+        to ``kv.2:models`` in the first pipeline. ``TypeError`` for anything that is not an
         ``IndexUpdate``, before anything is sent.
 
         When the server has lost the scripts (``SCRIPT FLUSH``, a restart), all of them are
@@ -906,7 +950,7 @@ class RedisIndex:
         if not engine_hashes:
             return []
         _, engine, _ = _model_keys(self._namespace, model).pod_keys(encode_name(pod))
-        return self._client.hmget(engine, list(engine_hashes))
+        return self._client.hmget(engine, _hex_keys(engine_hashes))
 
     @_unavailable_on_connection_error
     def lookup(
@@ -1054,7 +1098,7 @@ class RedisIndex:
 
     @_unavailable_on_connection_error
     def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
-        """``HGETALL`` of the ``seq`` hash of each model (every model in ``kv:models`` when
+        """``HGETALL`` of the ``seq`` hash of each model (every model in ``kv.2:models`` when
         ``None``), pipelined: one round trip."""
         models = sorted(self._models()) if model is None else [model]
         pipe = self._client.pipeline(transaction=False)
@@ -1099,10 +1143,10 @@ class RedisIndex:
         p, t = encode_name(pod), encode_name(tier)
         tier_prefix, engine, hashes_of = mk.pod_keys(p)
         keys = [tier_prefix + t, engine, hashes_of, mk.pods]
-        hex_keys = [b"%016x" % b.key for b in blocks]
+        hex_keys = _hex_keys([b.key for b in blocks])
         block_prefix = mk.block_prefix
         keys += [block_prefix + k for k in hex_keys]
-        engine_hashes = [b.engine_hash for b in blocks]
+        engine_hashes = _hex_keys([b.engine_hash for b in blocks])
         distinct = len(set(hex_keys)) == len(set(engine_hashes)) == len(blocks)
         args: list[bytes | int] = [p + b"@" + t, p + b"@", b"1" if distinct else b"0", *hex_keys]
         args += engine_hashes
@@ -1119,7 +1163,8 @@ class RedisIndex:
         p, t = encode_name(pod), encode_name(tier)
         tier_prefix, engine, hashes_of = mk.pod_keys(p)
         keys = [engine, hashes_of, mk.pods, tier_prefix + t]
-        return _REMOVE, keys, [p + b"@" + t, mk.block_prefix, p + b"@", *engine_hashes, *progress]
+        args = [p + b"@" + t, mk.block_prefix, p + b"@", *_hex_keys(engine_hashes), *progress]
+        return _REMOVE, keys, args
 
     def _clear_pod_call(self, model: str, pod: str, limit: int, progress: _ProgressArgs) -> _Call:
         """The script, keys and arguments of one call of a ``clear_pod`` under one model that

@@ -126,32 +126,32 @@ def test_keys_follow_the_documented_layout(index: RedisClusterIndex, cluster: Va
     assert sorted(all_keys(cluster)) == sorted(
         name.encode()
         for name in (
-            f"kv:{m}:b:{{{k}}}",
-            f"kv:{{{m}@{p}}}:r",
-            f"kv:{{{m}@{p}}}:n",
-            f"kv:{{{m}@{p}}}:e",
-            f"kv:{{{m}@{p}}}:k",
-            f"kv:{{{m}@{p}}}:seq",
-            f"kv:{{{m}}}:pods",
-            "kv:models",
+            f"kv.2:{m}:b:{{{k}}}",
+            f"kv.2:{{{m}@{p}}}:r",
+            f"kv.2:{{{m}@{p}}}:n",
+            f"kv.2:{{{m}@{p}}}:e",
+            f"kv.2:{{{m}@{p}}}:seq",
+            f"kv.2:{{{m}}}:pods",
+            "kv.2:models",
         )
     )
     pod = server_for(cluster, f"{{{m}@{p}}}")
-    assert server_for(cluster, f"{{{k}}}").get(f"kv:{m}:b:{{{k}}}") == f"{p}@gpu".encode()
-    assert pod.smembers(f"kv:{{{m}@{p}}}:r") == {f"gpu {k}".encode()}
-    assert pod.hgetall(f"kv:{{{m}@{p}}}:n") == {b"gpu": b"1"}
-    assert pod.hgetall(f"kv:{{{m}@{p}}}:e") == {str(a.engine_hash).encode(): a.digest}
-    assert pod.get(f"kv:{{{m}@{p}}}:seq") == b"3"
-    assert server_for(cluster, f"{{{m}}}").smembers(f"kv:{{{m}}}:pods") == {p.encode()}
+    assert server_for(cluster, f"{{{k}}}").get(f"kv.2:{m}:b:{{{k}}}") == f"{p}@gpu".encode()
+    assert pod.smembers(f"kv.2:{{{m}@{p}}}:r") == {f"gpu {k}".encode()}
+    assert pod.hgetall(f"kv.2:{{{m}@{p}}}:n") == {b"gpu": b"1"}
+    assert pod.hgetall(f"kv.2:{{{m}@{p}}}:e") == {b"%016x" % a.engine_hash: a.digest}
+    assert pod.get(f"kv.2:{{{m}@{p}}}:seq") == b"3"
+    assert server_for(cluster, f"{{{m}}}").smembers(f"kv.2:{{{m}}}:pods") == {p.encode()}
 
 
 def test_a_holders_keys_share_one_slot_while_its_blocks_spread(index: RedisClusterIndex, cluster) -> None:
-    index.apply_updates([Store(MODEL, "pod{1}", "gpu", chain(40)), Progress(MODEL, "pod{1}", 1)])
+    blocks = chain(40, engine_hash_offset=1000)  # hashes that differ from the keys: k is written
+    index.apply_updates([Store(MODEL, "pod{1}", "gpu", blocks), Progress(MODEL, "pod{1}", 1)])
     index.store(model=MODEL, pod="pod{1}", tier="cpu", blocks=chain(5))
 
     names = list(all_keys(cluster))
     tag = encode_name(MODEL) + b"@" + encode_name("pod{1}")
-    own = [n for n in names if n.startswith(b"kv:{" + tag + b"}")]
+    own = [n for n in names if n.startswith(b"kv.2:{" + tag + b"}")]
     assert len(own) == 5  # r, n, e, k, seq: nothing dirty, no lease once the calls returned
     assert len({key_slot(n) for n in own}) == 1
     blocks = [n for n in names if b":b:{" in n]
@@ -166,7 +166,7 @@ def test_one_models_blocks_spread_over_every_master_within_15_percent(
     index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
 
     per_master = {
-        port: sum(1 for _ in cluster.clients[port].scan_iter(match=b"kv:*:b:{*", count=1000))
+        port: sum(1 for _ in cluster.clients[port].scan_iter(match=b"kv.2:*:b:{*", count=1000))
         for port in cluster.master_ports()
     }
     assert sum(per_master.values()) == 3000
@@ -268,6 +268,11 @@ def test_agrees_with_the_memory_index_and_stays_consistent_on_a_random_workload(
     oracle = MemoryIndex()
     blocks = chain(12) + chain(4, first_token=1000, engine_hash_offset=77)
     blocks += chain(3, first_token=2000, engine_hash_offset=77)
+    # Engine hashes that are another block's key: an implied link re-pointed to an explicit one.
+    blocks += [
+        StoredBlock(key=blocks[i + 3].key, engine_hash=blocks[i].key, digest=blocks[i + 3].digest)
+        for i in range(3)
+    ]
     models, pods, tiers = ["m1", "m@2"], ["p1", "p:2", "p@3"], ["gpu", "cpu"]
     for step in range(200):
         model, pod, tier = rng.choice(models), rng.choice(pods), rng.choice(tiers)
@@ -425,7 +430,7 @@ def test_a_concurrent_clear_and_store_of_one_pod_leave_no_orphan(cluster: Valkey
     assert_cluster_consistent(masters(cluster))
     web.clear_pod(pod="pod1", model=MODEL)
     assert web.pod_blocks() == []
-    assert all_keys(cluster).keys() <= {b"kv:models", b"kv:{" + encode_name(MODEL) + b"}:pods"}
+    assert all_keys(cluster).keys() <= {b"kv.2:models", b"kv.2:{" + encode_name(MODEL) + b"}:pods"}
     ingest.close()
     web.close()
 
@@ -461,7 +466,7 @@ def test_a_writer_that_stops_mid_phase_is_taken_over_by_the_next_and_leaves_no_o
 
     # The pod round ran (the reverse set, dirty set and lease say so), the block round did not.
     assert sorted(n for n in all_keys(cluster) if n.endswith((b"}:d", b"}:lease"))) == [
-        b"kv:{" + encode_name(MODEL) + b"@pod1}:" + kind for kind in (b"d", b"lease")
+        b"kv.2:{" + encode_name(MODEL) + b"@pod1}:" + kind for kind in (b"d", b"lease")
     ]
     assert len(survivor.lookup(model=MODEL, keys=keys(first))) == 50
     assert survivor.lookup(model=MODEL, keys=keys(second)) == []
@@ -509,7 +514,7 @@ def test_the_epoch_marker_has_a_witness_on_every_master(
     witnesses = {where[n]: key_slot(n) for n in where if b":epoch:{" in n}
     assert witnesses == lowest_slots(cluster)  # one per master, at its lowest slot
     assert {n for n in where if b":epoch:{" in n} == {
-        b"kv:" + encode_name(MODEL) + b":epoch:{" + slot_tag(slot) + b"}" for slot in witnesses.values()
+        b"kv.2:" + encode_name(MODEL) + b":epoch:{" + slot_tag(slot) + b"}" for slot in witnesses.values()
     }
 
 
@@ -519,7 +524,7 @@ def test_a_master_that_lost_its_data_makes_the_model_read_as_lost(
 ) -> None:
     index.set_epoch(model=MODEL, value="token ready", if_absent=True)
     index.set_epoch(model="other", value="other ready", if_absent=True)
-    primary = cluster.owner(key_slot(b"kv:{" + encode_name(MODEL) + b"}:epoch"))
+    primary = cluster.owner(key_slot(b"kv.2:{" + encode_name(MODEL) + b"}:epoch"))
     victim = (
         primary if lost.startswith("the primary") else next(p for p in cluster.master_ports() if p != primary)
     )

@@ -53,9 +53,9 @@ def assert_consistent(server: redis.Redis) -> None:
     listed: set[tuple[bytes, bytes]] = set()  # (model tag, "P@T") in the pods sets
     engine_maps: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}  # (model tag, P) -> map
     hashes_of: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}
-    for name in server.scan_iter(match=b"kv:{*"):
+    for name in server.scan_iter(match=b"kv.2:{*"):
         tag = hash_tag(name)
-        kind = name[len(tag) + 6 :]  # after "kv:{" tag "}:"
+        kind = name[len(tag) + 8 :]  # after "kv.2:{" tag "}:"
         if kind.startswith(b"b:"):
             blocks |= {(tag, kind[2:], entry) for entry in server.get(name).split(b" ")}
         elif kind == b"pods":
@@ -69,10 +69,12 @@ def assert_consistent(server: redis.Redis) -> None:
             reverse |= {(tag, k, pod + b"@" + tier) for k in server.smembers(name)}
     assert blocks == reverse
     assert listed == {(tag, entry) for tag, _, entry in reverse}
-    assert hashes_of.keys() == engine_maps.keys()
+    assert hashes_of.keys() <= engine_maps.keys()
     for (tag, pod), engine in engine_maps.items():
         key_of_hash = {h: b"%016x" % key_of(digest) for h, digest in engine.items()}
-        linked = {h: k for k, hs in hashes_of[tag, pod].items() for h in hs.split(b" ")}
+        linked = {h: k for k, hs in hashes_of.get((tag, pod), {}).items() for h in hs.split(b" ")}
+        assert all(h != k for h, k in linked.items())  # a link of a key to itself is implied
+        linked |= {h: k for h, k in key_of_hash.items() if h == k}
         assert linked == key_of_hash
         held = {k for t, k, entry in reverse if t == tag and entry.split(b"@")[0] == pod}
         assert set(key_of_hash.values()) <= held
@@ -89,17 +91,26 @@ def test_keys_follow_the_documented_layout(index: RedisIndex, server: redis.Redi
     assert sorted(server.scan_iter()) == sorted(
         name.encode()
         for name in (
-            f"kv:{{{m}}}:b:{k}",
-            f"kv:{{{m}}}:p:{p}:t:gpu",
-            f"kv:{{{m}}}:p:{p}:e",
-            f"kv:{{{m}}}:p:{p}:k",
-            f"kv:{{{m}}}:pods",
-            "kv:models",
+            f"kv.2:{{{m}}}:b:{k}",
+            f"kv.2:{{{m}}}:p:{p}:t:gpu",
+            f"kv.2:{{{m}}}:p:{p}:e",
+            f"kv.2:{{{m}}}:pods",
+            "kv.2:models",
         )
     )
-    assert server.get(f"kv:{{{m}}}:b:{k}") == f"{p}@gpu".encode()
-    assert server.hgetall(f"kv:{{{m}}}:p:{p}:e") == {str(A.engine_hash).encode(): A.digest}
-    assert server.smembers("kv:models") == {b"Qwen/Qwen3-0.6B"}
+    assert server.get(f"kv.2:{{{m}}}:b:{k}") == f"{p}@gpu".encode()
+    assert server.hgetall(f"kv.2:{{{m}}}:p:{p}:e") == {b"%016x" % A.engine_hash: A.digest}
+    assert server.smembers("kv.2:models") == {b"Qwen/Qwen3-0.6B"}  # A's engine hash is its key: no k
+
+
+def test_a_differing_engine_hash_is_linked_in_hex(index: RedisIndex, server: redis.Redis) -> None:
+    (block,) = chain(1, engine_hash_offset=7)
+    index.store(model="m", pod="p", tier="gpu", blocks=[block])
+
+    assert server.hgetall("kv.2:{m}:p:p:e") == {b"0000000000000007": block.digest}
+    assert server.hgetall("kv.2:{m}:p:p:k") == {b"%016x" % block.key: b"0000000000000007"}
+    index.remove(model="m", pod="p", tier="gpu", engine_hashes=[7])
+    assert sorted(server.scan_iter()) == [b"kv.2:models"]
 
 
 @pytest.mark.parametrize("model", ["Qwen/Qwen3-0.6B", "a}b{c", "{x}", "", "%"])
@@ -109,8 +120,8 @@ def test_every_key_of_a_model_is_in_one_cluster_slot(
     index.store(model=model, pod="pod{1}", tier="gpu", blocks=[A, B])
     index.store(model=model, pod="pod:2", tier="cpu", blocks=[A])
 
-    names = [name for name in server.scan_iter() if name != b"kv:models"]
-    assert len(names) == 9  # 2 blocks, 3 per pod, the pods set
+    names = [name for name in server.scan_iter() if name != b"kv.2:models"]
+    assert len(names) == 7  # 2 blocks, 2 per pod (aligned: no key -> hashes map), the pods set
     assert {hash_tag(name) for name in names} == {encode_name(model)}
     assert len({key_slot(name) for name in names}) == 1
 
@@ -121,9 +132,9 @@ def test_progress_and_the_epoch_marker_follow_the_documented_layout(
     index.apply_updates([Store("a}b", "pod:1", "gpu", [A]), Progress("a}b", "pod:1#dp1", 42)])
     index.set_epoch(model="a}b", value="token:ready")
 
-    assert server.hgetall("kv:{a%7Db}:seq") == {b"pod%3A1%23dp1": b"42"}
-    assert server.get("kv:{a%7Db}:epoch") == b"token:ready"
-    names = [name for name in server.scan_iter() if name != b"kv:models"]
+    assert server.hgetall("kv.2:{a%7Db}:seq") == {b"pod%3A1%23dp1": b"42"}
+    assert server.get("kv.2:{a%7Db}:epoch") == b"token:ready"
+    names = [name for name in server.scan_iter() if name != b"kv.2:models"]
     assert len({key_slot(name) for name in names}) == 1
 
 
@@ -236,7 +247,7 @@ def test_apply_updates_is_one_round_trip(
     assert server.info("commandstats")["cmdstat_evalsha"]["calls"] == 4
     assert index.lookup(model=MODEL, keys=[A.key, B.key]) == []
     assert index.lookup(model=MODEL, keys=[B.key]) == [{"pod1": GPU}]
-    assert server.smembers("kv:models") == {MODEL.encode(), b"other-model"}
+    assert server.smembers("kv.2:models") == {MODEL.encode(), b"other-model"}
 
 
 def test_apply_updates_loads_the_scripts_again_after_a_script_flush(
@@ -345,7 +356,7 @@ def test_a_progress_after_a_store_in_slices_rides_on_its_last_slice(
     sliced: RedisIndex, server: redis.Redis, round_trips: list[bytes]
 ) -> None:
     blocks = chain(10)
-    seq_hash = f"kv:{{{encode_name(MODEL).decode()}}}:seq".encode()
+    seq_hash = f"kv.2:{{{encode_name(MODEL).decode()}}}:seq".encode()
     warm_up(sliced, round_trips)
 
     assert sliced.apply_updates([Store(MODEL, "pod1", "gpu", blocks), Progress(MODEL, "pod1", 5)]) == [10, 0]
@@ -391,6 +402,21 @@ def test_every_invariant_holds_between_the_calls_of_a_clear(sliced: RedisIndex, 
     assert sliced.resolve(model=MODEL, pod="pod1", engine_hashes=hashes(blocks)) == [None] * 10
 
 
+def test_keys_of_the_previous_layout_are_never_read(index: RedisIndex, server: redis.Redis) -> None:
+    m = encode_name(MODEL).decode()
+    server.set(f"kv:{{{m}}}:b:{A.key:016x}", b"pod1@gpu")
+    server.sadd(f"kv:{{{m}}}:p:pod1:t:gpu", f"{A.key:016x}")
+    server.hset(f"kv:{{{m}}}:p:pod1:e", str(A.engine_hash), A.digest)
+    server.hset(f"kv:{{{m}}}:seq", "pod1", 7)
+    server.set(f"kv:{{{m}}}:epoch", b"token ready")
+    server.sadd("kv:models", MODEL)
+
+    assert index.lookup(model=MODEL, keys=[A.key]) == []
+    assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[A.engine_hash]) == [None]
+    assert index.epochs([MODEL]) == [None]  # so ingest rebuilds the index from the engines
+    assert index.progress() == {} and index.pod_blocks() == []
+
+
 def test_a_flushall_loses_the_epoch_markers_and_progress(index: RedisIndex, server: redis.Redis) -> None:
     index.set_epoch(model=MODEL, value="token")
     index.apply_updates([Progress(MODEL, "pod1", 3)])
@@ -415,7 +441,7 @@ def _inner_commands(server: redis.Redis) -> int:
 def test_a_store_or_remove_makes_the_same_few_commands_whatever_its_size(
     index: RedisIndex, server: redis.Redis, size: int
 ) -> None:
-    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])  # kv:models written, scripts loaded
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])  # kv.2:models written, scripts loaded
     blocks = chain(size, first_token=5000)
 
     server.config_resetstat()
@@ -430,7 +456,8 @@ def test_a_store_or_remove_makes_the_same_few_commands_whatever_its_size(
     assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks)) == size
     remove_commands = _inner_commands(server)
 
-    assert (store_commands, store_again_commands, remove_commands) == (7, 4, 8)
+    # aligned blocks: no key -> hashes HSET; the remove reads the keys' own engine hashes (HMGET)
+    assert (store_commands, store_again_commands, remove_commands) == (6, 4, 9)
 
 
 # -- failures ---------------------------------------------------------------------------------------
@@ -484,6 +511,11 @@ def test_agrees_with_the_memory_index_on_a_random_workload(index: RedisIndex, se
     # Two engines that hash differently, reusing engine hashes 77.. for different blocks.
     blocks = chain(12) + chain(4, first_token=1000, engine_hash_offset=77)
     blocks += chain(3, first_token=2000, engine_hash_offset=77)
+    # Engine hashes that are another block's key: an implied link re-pointed to an explicit one.
+    blocks += [
+        StoredBlock(key=blocks[i + 3].key, engine_hash=blocks[i].key, digest=blocks[i + 3].digest)
+        for i in range(3)
+    ]
     models, pods, tiers = ["m1", "m@2"], ["p1", "p:2", "p@3"], ["gpu", "cpu"]
     for step in range(300):
         model, pod, tier = rng.choice(models), rng.choice(pods), rng.choice(tiers)
@@ -579,8 +611,8 @@ def test_speculative_entries_follow_the_documented_layout_and_expire_on_the_serv
     index.speculate(model="a}b", pod="pod:1", keys=keys(blocks), seconds=5)
     index.speculate(model="a}b", pod="pod2", keys=keys(blocks), seconds=2)
 
-    name = f"kv:{{a%7Db}}:s:{blocks[7].key:016x}"
-    assert [name.encode()] == [n for n in server.scan_iter() if n != b"kv:models"]
+    name = f"kv.2:{{a%7Db}}:s:{blocks[7].key:016x}"
+    assert [name.encode()] == [n for n in server.scan_iter() if n != b"kv.2:models"]
     entries = dict(e.split(b"=") for e in server.get(name).split())
     assert set(entries) == {b"pod%3A1", b"pod2"}
     assert int(entries[b"pod%3A1"]) - int(entries[b"pod2"]) == pytest.approx(3000, abs=500)
