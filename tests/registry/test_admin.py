@@ -9,23 +9,13 @@ import pytest
 from django.contrib.auth.models import User
 
 from scoring import runtime, services
-from scoring.index import KVIndex, StoredBlock, open_index
+from scoring.index import KVIndex, StoredBlock
 from scoring.keys import block_digest, key_of, root_digest
 from scoring.models import HashSeed, ModelConfig, Pod
-from scoring.runtime import invalidate_service_config, service_config
+from scoring.runtime import service_config
 from scoring.tokenization import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
-
-
-@pytest.fixture
-def index() -> Iterator[KVIndex]:
-    idx = open_index("memory://")
-    runtime.set_index(idx)
-    invalidate_service_config()
-    yield idx
-    runtime.set_index(None)
-    invalidate_service_config()
 
 
 @pytest.fixture

@@ -4,30 +4,15 @@ ingest in the registry snapshot."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 from rest_framework.test import APIClient
 
-from scoring import runtime
-from scoring.index import KVIndex, open_index
 from scoring.models import Pod, validate_event_endpoint
-from scoring.runtime import invalidate_service_config
 from scoring.selectors import load_service_config
 
 MODEL = "Qwen/Qwen3-0.6B"
-
-
-@pytest.fixture
-def index() -> Iterator[KVIndex]:
-    idx = open_index("memory://")
-    runtime.set_index(idx)
-    invalidate_service_config()
-    yield idx
-    runtime.set_index(None)
-    invalidate_service_config()
 
 
 @pytest.fixture

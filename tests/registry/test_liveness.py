@@ -22,14 +22,13 @@ import uvicorn
 
 from ingest.management.commands.ingest import Housekeeping
 from ingest.stats import IngestStats
-from scoring import runtime
 from scoring.config import ServiceConfig
 from scoring.index import KVIndex, StoredBlock, open_index
 from scoring.keys import block_digest, block_keys, key_of, root_digest
 from scoring.liveness import HealthChange, LivenessProber, LivenessSettings, pod_state, probe_targets
 from scoring.models import Pod
 from scoring.read_path import score_token_ids
-from scoring.runtime import invalidate_service_config, service_config
+from scoring.runtime import service_config
 from scoring.services import expire_pods, save_pod, set_pod_health
 from scoring.tokenization import TokenizerRegistry
 from simulator.config import LatencyConfig
@@ -177,17 +176,6 @@ def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     idx = open_index(url)
     yield idx
     idx.close()
-
-
-@pytest.fixture
-def process_index() -> Iterator[KVIndex]:
-    """An in-memory index installed as this process's (what services and the read path use)."""
-    idx = open_index("memory://")
-    runtime.set_index(idx)
-    invalidate_service_config()
-    yield idx
-    runtime.set_index(None)
-    invalidate_service_config()
 
 
 def cache_blocks(index: KVIndex, *, pod: str, n: int = 3) -> None:
