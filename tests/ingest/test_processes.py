@@ -22,7 +22,6 @@ import zmq
 from ingest.events import BlockRemoved, encode_batch, encode_message
 from ingest.pipeline import IngestPipeline
 from ingest.processes import CONFIG_PUSH_SECONDS, STATS_SECONDS, ProcessShardPool
-from ingest.replay import ReplayClient
 from scoring.config import ServiceConfig
 from scoring.epochs import READY, parse_marker
 from scoring.index import open_index
@@ -181,23 +180,7 @@ class ProcessFixture(Fixture):
 
     def __init__(self, redis_url: str) -> None:
         super().__init__(open_index(redis_url))
-        self.redis_url = redis_url
-
-    def start_ingest(self, *, timeout: float = 1.0, workers: int = 2) -> IngestPipeline:
-        self.pipeline = IngestPipeline(
-            index=self.index,
-            config=self.config,
-            bind=[f"tcp://127.0.0.1:{self.port or '*'}"],
-            workers=workers,
-            context=self.context,
-            replay=ReplayClient(config=self.config, context=self.context, timeout=timeout),
-            epoch_check_seconds=0.1,
-            processes=2,
-            index_factory=functools.partial(open_index, self.redis_url),
-        )
-        self.pipeline.start()
-        self.port = self.pipeline.bound[0].rpartition(":")[2]
-        return self.pipeline
+        self.pipeline_options = {"processes": 2, "index_factory": functools.partial(open_index, redis_url)}
 
 
 def test_missed_batches_and_catch_ups_are_replayed_by_the_pods_own_process(redis_url):

@@ -117,6 +117,8 @@ class Fixture:
             replay_endpoints=dict(self.endpoints),
         )
 
+    pipeline_options: dict = {}
+
     def start_ingest(self, *, timeout: float = 1.0, workers: int = 2) -> IngestPipeline:
         deadline = time.monotonic() + 5
         while True:
@@ -129,6 +131,7 @@ class Fixture:
                     context=self.context,
                     replay=ReplayClient(config=self.config, context=self.context, timeout=timeout),
                     epoch_check_seconds=0.1,
+                    **self.pipeline_options,
                 )
                 break
             except zmq.ZMQError as error:  # ZeroMQ lets the last pipeline's port go in the background
