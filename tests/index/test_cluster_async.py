@@ -86,6 +86,20 @@ def no_thread(index: RedisClusterIndex, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(index, "lookup", refuse)
 
 
+def count_fallbacks(index: RedisClusterIndex, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an item each time ``alookup`` falls back on the sync ``lookup`` (which
+    still answers)."""
+    fallbacks: list[int] = []
+    lookup = index.lookup
+
+    def counted(**kwargs):
+        fallbacks.append(1)
+        return lookup(**kwargs)
+
+    monkeypatch.setattr(index, "lookup", counted)
+    return fallbacks
+
+
 def warm(index: RedisClusterIndex, blocks: list[StoredBlock]) -> None:
     """One sync lookup: the slot map read and the read script loaded on every master."""
     index.lookup(model=MODEL, keys=keys(blocks))
@@ -159,14 +173,7 @@ def test_a_killed_connection_is_answered_by_the_sync_path_then_reconnects(
     blocks = chain(60)
     index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
     warm(index, blocks)
-    fallbacks: list[int] = []
-    lookup = index.lookup
-
-    def counted(**kwargs):
-        fallbacks.append(1)
-        return lookup(**kwargs)
-
-    monkeypatch.setattr(index, "lookup", counted)
+    fallbacks = count_fallbacks(index, monkeypatch)
     want = [{"pod1": GPU}] * 60
 
     async def scenario() -> None:
@@ -200,14 +207,7 @@ def test_a_moved_slot_goes_through_the_sync_path_once_then_the_new_owner_is_read
     warm(index, blocks)
     slot = key_slot(b"{%016x}" % blocks[0].key)
     cluster.migrate_slot(slot, next(p for p in cluster.master_ports() if p != cluster.owner(slot)))
-    fallbacks: list[int] = []
-    lookup = index.lookup
-
-    def counted(**kwargs):
-        fallbacks.append(1)
-        return lookup(**kwargs)
-
-    monkeypatch.setattr(index, "lookup", counted)
+    fallbacks = count_fallbacks(index, monkeypatch)
 
     async def scenario() -> list:
         return [await index.alookup(model=MODEL, keys=keys(blocks)) for _ in range(3)]
