@@ -197,7 +197,7 @@ def test_missed_batches_and_catch_ups_are_replayed_by_the_pods_own_process(redis
         for engine in engines:
             fx.sync(engine)
             assert fx.held(engine) == 5
-            assert fx.stream(engine.pod).replayed_batches == 3
+            assert fx.recoveries(engine.pod)[2] == 3
 
         fx.stop_ingest()  # the engines go on while ingest is down: caught up on start
         for engine in engines:
