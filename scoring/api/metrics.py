@@ -21,6 +21,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from scoring import runtime, selectors
+from scoring.hybrid import is_group_holder
 from scoring.index import IndexUnavailable
 from scoring.streams import collect_families
 
@@ -34,7 +35,9 @@ class LiveStateCollector(Collector):
     def collect(self) -> Iterator:
         index_up = GaugeMetricFamily("kvcache_index_up", "1 when the KV-block index answered this scrape.")
         blocks = GaugeMetricFamily(
-            "kvcache_pod_blocks", "Blocks held per pod, model and tier.", labels=["pod", "model", "tier"]
+            "kvcache_pod_blocks",
+            "Blocks held per pod (or data-parallel rank), model and tier; a hybrid model's blocks once.",
+            labels=["pod", "model", "tier"],
         )
         try:
             rows = runtime.get_index().pod_blocks()
@@ -43,6 +46,8 @@ class LiveStateCollector(Collector):
         else:
             index_up.add_metric([], 1)
             for row in rows:
+                if is_group_holder(row.pod):
+                    continue  # a hybrid model's other KV-cache groups repeat group 0's blocks
                 for tier, n in sorted(row.blocks_by_tier.items()):
                     blocks.add_metric([row.pod, row.model, tier], n)
         yield index_up

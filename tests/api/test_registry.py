@@ -180,6 +180,9 @@ def test_a_hybrid_model_s_groups_set_through_the_api_score_with_vllm_s_hybrid_hi
     assert (created.json()["kv_cache_groups"], created.json()["learned_kv_cache_groups"]) == (groups, [])
     assert scores(client, shorter) == {}
     assert scores(client, base_capture) == {"pod-a": float(n)}
+    metrics = client.get("/metrics").content.decode()
+    assert f'kvcache_pod_blocks{{model="{MODEL}",pod="pod-a",tier="gpu"}} {n}.0' in metrics
+    assert "pod-a#g1" not in metrics  # the window's blocks repeat full attention's
 
 
 @pytest.mark.parametrize(
