@@ -33,6 +33,10 @@ STAFF_PASSWORD = "conformance-staff"  # a throwaway user of a throwaway database
 _NOT_INHERITED = ("PYTHONHASHSEED", "KVCACHE_HASH_SEED", "REDIS_URL", "DATABASE_URL", "KVCACHE_API_KEYS")
 
 
+INGEST_SECOND_CATCH_UP_SECONDS = 2.0
+"""``ingest.pipeline.SUBSCRIBED_SECONDS`` (this venv does not import our code)."""
+
+
 def free_port() -> int:
     """A port free now, below the kernel's ephemeral range (32768 up): the suite hands its ports
     out before the publishers bind them, and an outgoing connection (ours, or another test run's
@@ -130,6 +134,10 @@ class OurStack:
             "ingest", [*MANAGE, "ingest", "--bind", self.ingest_endpoint, "--workers", "2", *metrics], env
         )
         wait_until(self._read_metrics, timeout=60, what=f"ingest's metrics ({self._log('ingest')})")
+        # Ingest runs its start-up catch-up once more 2 s after it starts (ingest.pipeline's
+        # SUBSCRIBED_SECONDS). A batch in flight then may be applied from the engine's replay,
+        # which the event-to-index count that ``wait_applied`` reads leaves out: let it pass first.
+        time.sleep(INGEST_SECOND_CATCH_UP_SECONDS + 1.0)
 
     def stop(self) -> None:
         for process in reversed(self._processes):

@@ -503,3 +503,10 @@ def test_a_cluster_master_that_lost_its_data_gets_the_model_rebuilt(fx: Fixture)
     assert fx.pipeline.stats.index_losses == 1
     fx.pipeline.pool.join_idle(5)
     assert_cluster_consistent([node.redis_connection for node in fx.index._map().primaries])
+
+
+def test_the_conformance_suite_waits_out_ingest_s_second_catch_up() -> None:
+    from conformance.ours import INGEST_SECOND_CATCH_UP_SECONDS
+    from ingest.pipeline import SUBSCRIBED_SECONDS
+
+    assert INGEST_SECOND_CATCH_UP_SECONDS == SUBSCRIBED_SECONDS
