@@ -6,7 +6,11 @@ so that keys and digests in these tests are the ones an engine would report.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+
 from scoring.index.base import StoredBlock
+from scoring.index.memory import MemoryIndex
 from scoring.keys import chain_digests, key_of, root_digest
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -87,3 +91,50 @@ def assert_cluster_consistent(masters: list) -> None:
         assert linked == key_of_hash
         held = {k for m, k, entry in reverse if m == model and entry.partition(b"@")[0] == pod}
         assert set(key_of_hash.values()) <= held
+
+
+def agrees_with_the_memory_index(
+    index, *, steps: int, check: Callable[[], None], check_every: int, filter_by_pod: bool = False
+) -> None:
+    """Run the same random workload of stores, removes and clears on ``index`` and on an in-memory
+    index (unbounded for it: nothing is evicted), each answer compared; ``check`` (the backend's
+    own invariants) runs every ``check_every`` steps and at the end. Lookups are compared (also
+    restricted to the step's pod with ``filter_by_pod``), resolves and pod counts too."""
+    rng = random.Random(11)
+    oracle = MemoryIndex()
+    # Two engines that hash differently, reusing engine hashes 77.. for different blocks.
+    blocks = chain(12) + chain(4, first_token=1000, engine_hash_offset=77)
+    blocks += chain(3, first_token=2000, engine_hash_offset=77)
+    # Engine hashes that are another block's key: an implied link re-pointed to an explicit one.
+    blocks += [
+        StoredBlock(key=blocks[i + 3].key, engine_hash=blocks[i].key, digest=blocks[i + 3].digest)
+        for i in range(3)
+    ]
+    models, pods, tiers = ["m1", "m@2"], ["p1", "p:2", "p@3"], ["gpu", "cpu"]
+    for step in range(steps):
+        model, pod, tier = rng.choice(models), rng.choice(pods), rng.choice(tiers)
+        action = rng.random()
+        if action < 0.5:
+            start = rng.randrange(len(blocks))
+            args = {"model": model, "pod": pod, "tier": tier, "blocks": blocks[start : start + 5]}
+            index.store(**args)
+            oracle.store(**args)
+        elif action < 0.85:
+            args = {"model": model, "pod": pod, "tier": tier, "engine_hashes": hashes(rng.sample(blocks, 4))}
+            assert index.remove(**args) == oracle.remove(**args)
+        elif action < 0.95:
+            assert index.clear_pod(pod=pod, model=model) == oracle.clear_pod(pod=pod, model=model)
+        else:
+            assert index.clear_model(model=model) == oracle.clear_model(model=model)
+        if step % check_every == 0:
+            check()
+        for m in models:
+            for wanted in (None, {pod}) if filter_by_pod else (None,):
+                assert index.lookup(model=m, keys=keys(blocks), pods=wanted) == oracle.lookup(
+                    model=m, keys=keys(blocks), pods=wanted
+                )
+            assert index.resolve(model=m, pod=pod, engine_hashes=hashes(blocks)) == oracle.resolve(
+                model=m, pod=pod, engine_hashes=hashes(blocks)
+            )
+    assert index.pod_blocks() == oracle.pod_blocks() != []
+    check()

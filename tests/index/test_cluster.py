@@ -16,13 +16,13 @@ import redis
 from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
-from scoring.index import IndexUnavailable, MemoryIndex, PodBlocks, StoredBlock, open_index
+from scoring.index import IndexUnavailable, PodBlocks, StoredBlock, open_index
 from scoring.index import cluster as cluster_module
 from scoring.index.base import ClearPod, Progress, Remove, Store
 from scoring.index.cluster import RedisClusterIndex, slot_tag
 from scoring.index.redis import encode_name
 from scoring.runtime import index_url
-from tests.index import MODEL, assert_cluster_consistent, chain, hashes, keys
+from tests.index import MODEL, agrees_with_the_memory_index, assert_cluster_consistent, chain, hashes, keys
 from tests.servers import ValkeyCluster, free_port
 
 GPU = frozenset({"gpu"})
@@ -264,40 +264,9 @@ def test_a_batch_of_writes_is_a_pod_round_a_block_round_and_a_finish_round(
 def test_agrees_with_the_memory_index_and_stays_consistent_on_a_random_workload(
     index: RedisClusterIndex, cluster: ValkeyCluster
 ) -> None:
-    rng = random.Random(11)
-    oracle = MemoryIndex()
-    blocks = chain(12) + chain(4, first_token=1000, engine_hash_offset=77)
-    blocks += chain(3, first_token=2000, engine_hash_offset=77)
-    # Engine hashes that are another block's key: an implied link re-pointed to an explicit one.
-    blocks += [
-        StoredBlock(key=blocks[i + 3].key, engine_hash=blocks[i].key, digest=blocks[i + 3].digest)
-        for i in range(3)
-    ]
-    models, pods, tiers = ["m1", "m@2"], ["p1", "p:2", "p@3"], ["gpu", "cpu"]
-    for step in range(200):
-        model, pod, tier = rng.choice(models), rng.choice(pods), rng.choice(tiers)
-        action = rng.random()
-        if action < 0.5:
-            start = rng.randrange(len(blocks))
-            args = {"model": model, "pod": pod, "tier": tier, "blocks": blocks[start : start + 5]}
-            index.store(**args)
-            oracle.store(**args)
-        elif action < 0.85:
-            args = {"model": model, "pod": pod, "tier": tier, "engine_hashes": hashes(rng.sample(blocks, 4))}
-            assert index.remove(**args) == oracle.remove(**args)
-        elif action < 0.95:
-            assert index.clear_pod(pod=pod, model=model) == oracle.clear_pod(pod=pod, model=model)
-        else:
-            assert index.clear_model(model=model) == oracle.clear_model(model=model)
-        if step % 20 == 0:
-            assert_cluster_consistent(masters(cluster))
-        for m in models:
-            assert index.lookup(model=m, keys=keys(blocks)) == oracle.lookup(model=m, keys=keys(blocks))
-            assert index.resolve(model=m, pod=pod, engine_hashes=hashes(blocks)) == oracle.resolve(
-                model=m, pod=pod, engine_hashes=hashes(blocks)
-            )
-    assert index.pod_blocks() == oracle.pod_blocks() != []
-    assert_cluster_consistent(masters(cluster))
+    agrees_with_the_memory_index(
+        index, steps=200, check=lambda: assert_cluster_consistent(masters(cluster)), check_every=20
+    )
 
 
 @contextlib.contextmanager

@@ -4,7 +4,6 @@ workload."""
 
 from __future__ import annotations
 
-import random
 import threading
 from collections.abc import Iterator
 
@@ -17,7 +16,7 @@ from scoring.index import IndexUnavailable, MemoryIndex, PodBlocks, StoredBlock,
 from scoring.index.base import ClearPod, Progress, Remove, Store
 from scoring.index.redis import _NO_PROGRESS, RedisIndex, decode_name, encode_name
 from scoring.keys import key_of
-from tests.index import MODEL, chain, hashes, keys
+from tests.index import MODEL, agrees_with_the_memory_index, chain, hashes, keys
 from tests.servers import RedisServer, free_port
 
 A, B = chain(2)
@@ -506,45 +505,13 @@ def test_responses_must_stay_bytes(redis_url: str) -> None:
 
 
 def test_agrees_with_the_memory_index_on_a_random_workload(index: RedisIndex, server: redis.Redis) -> None:
-    rng = random.Random(11)
-    oracle = MemoryIndex()  # unbounded for this workload: nothing is evicted
-    # Two engines that hash differently, reusing engine hashes 77.. for different blocks.
-    blocks = chain(12) + chain(4, first_token=1000, engine_hash_offset=77)
-    blocks += chain(3, first_token=2000, engine_hash_offset=77)
-    # Engine hashes that are another block's key: an implied link re-pointed to an explicit one.
-    blocks += [
-        StoredBlock(key=blocks[i + 3].key, engine_hash=blocks[i].key, digest=blocks[i + 3].digest)
-        for i in range(3)
-    ]
-    models, pods, tiers = ["m1", "m@2"], ["p1", "p:2", "p@3"], ["gpu", "cpu"]
-    for step in range(300):
-        model, pod, tier = rng.choice(models), rng.choice(pods), rng.choice(tiers)
-        action = rng.random()
-        if action < 0.5:
-            start = rng.randrange(len(blocks))
-            args = {"model": model, "pod": pod, "tier": tier, "blocks": blocks[start : start + 5]}
-            index.store(**args)
-            oracle.store(**args)
-        elif action < 0.85:
-            args = {"model": model, "pod": pod, "tier": tier, "engine_hashes": hashes(rng.sample(blocks, 4))}
-            assert index.remove(**args) == oracle.remove(**args)
-        elif action < 0.95:
-            assert index.clear_pod(pod=pod, model=model) == oracle.clear_pod(pod=pod, model=model)
-        else:
-            assert index.clear_model(model=model) == oracle.clear_model(model=model)
-        if step % 10 == 0:
-            assert_consistent(server)
-        for m in models:
-            for wanted in (None, {pod}):
-                assert index.lookup(model=m, keys=keys(blocks), pods=wanted) == oracle.lookup(
-                    model=m, keys=keys(blocks), pods=wanted
-                )
-            assert index.resolve(model=m, pod=pod, engine_hashes=hashes(blocks)) == oracle.resolve(
-                model=m, pod=pod, engine_hashes=hashes(blocks)
-            )
-    assert index.pod_blocks() == oracle.pod_blocks()
-    assert index.pod_blocks() != []
-    assert_consistent(server)
+    agrees_with_the_memory_index(
+        index,
+        steps=300,
+        check=lambda: assert_consistent(server),
+        check_every=10,
+        filter_by_pod=True,
+    )
 
 
 def test_a_store_naming_a_block_or_engine_hash_twice_agrees_with_the_memory_index(
