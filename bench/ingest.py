@@ -17,7 +17,8 @@ ingest`` runs), for each backend, worker count and process count (``--processes`
    records for each batch the time from its timestamp (set when published) to applied in the
    index (with worker processes, only when their stats reach the parent's).
 
-Backends: ``memory``; ``redis``, one Valkey server on ``--base-port`` (or ``--redis-url``);
+Backends: ``memory``; ``redis``, one Valkey server on ``--base-port`` (or ``--redis-url``), and
+``redis-compact``, the same with the index's compact layout (``scoring/index/redis.py``);
 ``cluster``, a 3-master Valkey Cluster on the three ports after it (``bench/cluster.py``).
 The ingest pipeline binds ``--base-port + 30``.
 
@@ -307,14 +308,15 @@ def main() -> None:
                 servers = None
                 if backend == "memory":
                     url = "memory://"
-                elif backend == "redis" and args.redis_url:
-                    url = args.redis_url
-                    servers = Servers.external(url)
+                elif backend in ("redis", "redis-compact") and args.redis_url:
+                    servers = Servers.external(args.redis_url)
+                    url = args.redis_url + ("?layout=compact" if backend == "redis-compact" else "")
                 else:
-                    if backend not in started:
-                        started[backend] = Servers(backend, args.base_port)
-                    servers = started[backend]
-                    url = servers.url
+                    kind = backend.removesuffix("-compact")
+                    if kind not in started:
+                        started[kind] = Servers(kind, args.base_port)
+                    servers = started[kind]
+                    url = servers.url + ("?layout=compact" if backend == "redis-compact" else "")
                 if servers:
                     servers.flush()
                 run = run_case(url, workers, processes, args, streams, servers)

@@ -4,6 +4,7 @@
 |---|---|---|
 | REDIS_URL | redis://127.0.0.1:6379/0 | the shared index and the channel layer |
 | KVCACHE_INDEX_BACKEND | redis | ``redis``, ``redis-cluster://h:p,h:p``, ``memory`` or ``memory://?...`` |
+| KVCACHE_INDEX_LAYOUT | fast | the one-server index's layout: ``fast`` or ``compact`` |
 | KVCACHE_INDEX_TIMEOUT | 1.0 | seconds a Redis index may take to connect or reply (then 503) |
 | KVCACHE_INGEST_INDEX_TIMEOUT | 10.0 | the same for ``ingest``, whose writes may queue behind others |
 | DATABASE_URL | sqlite:///var/db.sqlite3 | pod registry, model configs, hash seed |
@@ -175,6 +176,9 @@ LOGIN_URL = "admin:login"
 # --- the index and the channel layer -------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 KVCACHE_INDEX_BACKEND = os.environ.get("KVCACHE_INDEX_BACKEND", "redis")
+# The one-server index's layout: "fast" or "compact" (fewer bytes per entry, more server CPU per
+# stored block; scoring/index/redis.py). Applied by scoring.runtime.index_options.
+KVCACHE_INDEX_LAYOUT = os.environ.get("KVCACHE_INDEX_LAYOUT", "fast")
 # Seconds a Redis index may take to connect or to reply before the caller gets IndexUnavailable (a
 # score: 503 at once rather than a hung request). ``socket_timeout`` / ``socket_connect_timeout`` in
 # REDIS_URL win. Ingest has its own: its sliced writes take ~15 ms on the server, but may queue

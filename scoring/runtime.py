@@ -73,6 +73,17 @@ def index_url() -> str:
     )
 
 
+def index_options() -> dict[str, str]:
+    """The index's own options beside its URL: the one-server index's ``KVCACHE_INDEX_LAYOUT``
+    (``fast`` or ``compact``); the other backends have one layout (``ValueError`` for another)."""
+    layout = settings.KVCACHE_INDEX_LAYOUT
+    if settings.KVCACHE_INDEX_BACKEND == "redis":
+        return {"layout": layout}
+    if layout != "fast":
+        raise ValueError(f"KVCACHE_INDEX_LAYOUT={layout!r} is for KVCACHE_INDEX_BACKEND=redis only")
+    return {}
+
+
 def index_is_shared() -> bool:
     """Whether the index lives in Redis (one server or a cluster), shared by every process: then
     the processes also share their stats and traffic through ``REDIS_URL``."""
@@ -84,10 +95,10 @@ def connect_index(*, timeout: float) -> KVIndex:
     reply after ``timeout`` seconds (``IndexUnavailable``), unless its URL (``REDIS_URL``, or the
     ``redis-cluster://`` URL) sets ``socket_timeout`` or ``socket_connect_timeout`` itself: the
     URL wins."""
-    url = index_url()
+    url, options = index_url(), index_options()
     if url.startswith("memory://"):
         return open_index(url)
-    return open_index(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    return open_index(url, socket_timeout=timeout, socket_connect_timeout=timeout, **options)
 
 
 def get_index() -> KVIndex:

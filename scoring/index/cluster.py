@@ -167,7 +167,6 @@ from scoring.index.redis import (
     DEFAULT_NAMESPACE,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_SLICE_BLOCKS,
-    LAYOUT,
     _held_each,
     _held_run,
     _hex_keys,
@@ -183,6 +182,9 @@ try:
 except ImportError:  # redis-py packs in Python
     _hiredis_pack = None
 
+LAYOUT = b".2"
+"""Appended to the namespace in every key name: the version of this layout (``redis``'s is its
+own). Keys of another layout (``kv:...``) are never read."""
 SLOTS = 16384
 LEASE_SECONDS = 5.0
 """How long a writer that stopped mid-phase keeps its holders from other writers."""

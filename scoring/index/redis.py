@@ -1,59 +1,92 @@
 """Redis / Valkey index on one server: shared between processes and replicas, atomic. (For a
 Valkey or Redis Cluster, ``cluster`` spreads each model over every master.)
 
-Key layout (``kv`` is the ``namespace`` option, ``.2`` the version of the layout, ``LAYOUT``;
-``M``, ``P``, ``T`` are the model, pod and tier percent-encoded by ``encode_name``; ``K`` is a
-block key and ``h`` an engine hash, each as 16 lower-case hex digits)::
+Key layout (``kv`` is the ``namespace`` option, ``.3`` the version of the layout, ``LAYOUT``,
+``.3c`` in the compact layout below; ``M``, ``P``, ``T`` are the model, pod and tier
+percent-encoded by ``encode_name``; ``K`` is a block key and ``h`` an engine hash, each as 8
+bytes, big-endian)::
 
-    kv.2:{M}:b:K      STRING "P@T P@T ..."         the (pod, tier) entries of one block key
-    kv.2:{M}:p:P:t:T  SET    K ...                 reverse index: the keys pod P holds on tier T
-    kv.2:{M}:p:P:e    HASH   h -> digest           P's engine hashes -> digest bytes
-    kv.2:{M}:p:P:k    HASH   K -> "h h ..."        the engine hashes of P pointing at K, other
-                                                   than K itself, so that they go when P stops
-                                                   holding K (absent when there are none)
-    kv.2:{M}:pods     SET    "P@T" ...             every (pod, tier) with a non-empty reverse set
-    kv.2:{M}:seq      HASH   H -> seq              progress: the last event seq applied per holder
-                                                   H (a pod or "pod#dp<r>", encoded), decimal
-    kv.2:{M}:epoch    STRING opaque marker         set by ingest, removed only with the data
-    kv.2:{M}:s:K      STRING "P=U P=U ..."         speculative entries at block key K: pod P
-                                                   until U (Unix ms, the writer's clock); the
-                                                   key expires with its last entry
-    kv.2:models       SET    model names           models written through any client (a superset)
+    kv.3:{M}bK        STRING D "P@T P@T ..."   block K: the head D of its digest (24 bytes: the
+                                               digest but its last 8, which are K; all zero when
+                                               the digest is K itself), then its (pod, tier)
+                                               entries
+    kv.3:{M}:p:P:t:T  SET    K ...             reverse index: the keys pod P holds on tier T
+    kv.3:{M}:p:P:e    HASH   h -> K            P's engine hashes that are not their key (absent
+                                               when there are none)
+    kv.3:{M}:p:P:k    HASH   K -> "hh..."      the engine hashes of P pointing at K, 8 bytes
+                                               each, when they are not K alone (absent when
+                                               every link of P is implied)
+    kv.3:{M}:pods     SET    "P@T" ...         every (pod, tier) with a non-empty reverse set
+    kv.3:{M}:seq      HASH   H -> seq          progress: the last event seq applied per holder
+                                               H (a pod or "pod#dp<r>", encoded), decimal
+    kv.3:{M}:epoch    STRING opaque marker     set by ingest, removed only with the data
+    kv.3:{M}:s:K      STRING "P=U P=U ..."     speculative entries at block key K: pod P until
+                                               U (Unix ms, the writer's clock); the key expires
+                                               with its last entry
+    kv.3:models       SET    model names       models written through any client (a superset)
 
-An engine hash equal to the key it points at (an aligned engine: every block) is linked to it
-implicitly: ``k`` never lists it, and a key that P stops holding takes with it the words of its
-``k`` field and, if ``e`` points that very hash at it, the key itself. So an aligned pod has no
-``k`` at all, and an entry costs the block string, the reverse-set member and one ``e`` field.
+Implied links: an engine hash equal to the key it points at (an aligned engine: every block) is
+written nowhere. The hashes of P pointing at a key K that P holds are ``k[K]``'s words when it
+has a field, else K itself; an engine hash h points at ``e[h]`` when it has a field, else at h
+when P holds h and h is among the hashes pointing at h. So an aligned pod has no ``e`` and no
+``k``, and its entry costs the block's entry and a reverse-set member. When P stops holding K,
+every hash pointing at K goes (their ``e`` fields, K's ``k`` field).
 
-The previous layout (``kv:{M}:...``, ``kv:models``: decimal engine hashes, every link written) is
-never read: on a server that holds it, ingest finds no epoch marker under ``kv.2`` and rebuilds
-the index from the engines (``scoring.epochs``). Its keys only waste memory until removed, e.g.
-``redis-cli --scan --pattern 'kv:{*' | xargs -r -n 500 redis-cli unlink`` and ``redis-cli unlink
-kv:models`` (``kv:ingest:*``, ``kv:web:*``, ``kv:history:*``, ``kv:auth:*`` are not the index's).
+Digests: a digest is a property of the block (its key is the digest's last 8 bytes), so it is
+kept once, in the block, for every holder: ``resolve`` answers it for the engine hash of any
+holder that points at the block. A block adopted by engine hash (its digest the key itself) gets
+a chain's digest when a holder stores one; never the other way round.
 
-A block is a STRING of space-separated entries rather than a HASH so that a lookup is a single
-``MGET`` of its keys: one command, one round trip, no per-key work on the server beyond a read.
+Two layouts (the URL's ``layout``): ``fast``, the default, keeps a reverse set as a Valkey SET
+(38 bytes a member), and ``compact`` keeps it in one HASH of byte strings, ``"#" -> "m s n"``
+and ``i -> "KK..."``: bucket i holds its members' 8-byte keys, one after the other (8 bytes a
+member and a share of its bucket's field). Member x (its last three bytes) is in bucket ``x mod
+m``, or ``x mod 2m`` when that is below ``s`` (the buckets already split: linear hashing); ``n``
+counts the members. After a write, buckets split (``s`` into ``s`` and ``s + m``) while there
+are more than 32 members a bucket on average, and the last bucket merges back into the one it
+was split from while there are fewer than 8; a clear takes members from the last bucket. A
+script reads the state and the buckets it touches (one ``HGET``, one ``HMGET``) and writes the
+changed ones back (one ``HSET``): a few commands whatever the pod's size, every bucket a field
+of a key the script names. The compact layout takes ~28 bytes fewer per first holder and ~30
+per further one, for 2-3 times the server's CPU per stored block (``docs/performance.md``): the
+buckets go through Lua as strings. The layouts' keys differ (``kv.3`` / ``kv.3c``), so switching
+reads as a lost index, which ingest rebuilds.
+
+Block names carry the key as 8 bytes and no separator (``b`` right after the tag), 10 bytes
+shorter than in hex: at 16-byte allocation steps, 8 bytes saved per block on average.
+``redis-cli`` shows them escaped.
+
+The previous layouts (``kv:{M}:...``, ``kv:models``; ``kv.2:{M}:...``, ``kv.2:models``) are never
+read: on a server that holds one, ingest finds no epoch marker under ``kv.3`` and rebuilds the
+index from the engines (``scoring.epochs``). Their keys only waste memory until removed, e.g.
+``redis-cli --scan --pattern 'kv.2:{*' | xargs -r -n 500 redis-cli unlink`` and ``redis-cli unlink
+kv.2:models`` (the same with ``kv:{*`` and ``kv:models`` for the first; ``kv:ingest:*``,
+``kv:web:*``, ``kv:history:*``, ``kv:auth:*`` are not the index's).
+
+A block is a STRING (its digest's head, then space-separated entries) rather than a HASH so that
+a lookup is a single ``MGET`` of its keys: one command, one round trip, no per-key work on the
+server beyond a read.
 
 Why it is safe:
 
 * Encoding: ``encode_name`` percent-encodes everything but ``[A-Za-z0-9_.~-]``, so an encoded
   name never contains ``@``, ``:``, ``{``, ``}``, ``/`` or a space; "" encodes to ``%``, which no
   other name encodes to. Model ``a@b`` with pod ``c`` and model ``a`` with pod ``b@c`` therefore
-  never share a key or an entry.
+  never share a key or an entry. A block's name has ``b`` after the tag, every other name ``:``.
 * One slot: every key of one model carries the hash tag ``{M}`` (never empty, never containing
-  ``}``), so all of them would live in one slot of a cluster: the ``MGET`` and every script touch
-  one slot. That keeps each slice one atomic script, but a cluster would hold a whole model on
-  one node (and ``redis.Redis`` does not follow a cluster's redirections): ``cluster`` is the
-  layout for a cluster, at the price of phases (its module docstring). Some
-  scripts reach keys they find in the data (a block through the engine map, a reverse set
-  through the pods set) or are given as arguments (the ``seq`` hash of a ``Progress``); those
-  are not declared in ``KEYS`` but share the tag, which Redis and
-  Valkey Cluster accept (services that insist on declared keys only are not supported).
-  ``kv.2:models`` lives in another slot and is only written outside the scripts: one ``SADD`` the
-  first time this client writes a model (or its progress). ``clear_model`` leaves it, as other
-  clients may have cached the model as seen; enumerating a cleared model just finds nothing.
-  ``clear_pod`` and ``clear_model`` leave ``seq`` and ``epoch`` too: progress records what was
-  applied, and the epoch marker is there to go only when the server loses its data.
+  ``}``; a block's key bytes come after it, so a ``}`` among them is harmless), so all of them
+  would live in one slot of a cluster: the ``MGET`` and every script touch one slot. That keeps
+  each slice one atomic script, but a cluster would hold a whole model on one node (and
+  ``redis.Redis`` does not follow a cluster's redirections): ``cluster`` is the layout for a
+  cluster, at the price of phases (its module docstring). Some scripts reach keys they find in the
+  data (a block through the engine map, a reverse set through the pods set) or are given as
+  arguments (the ``seq`` hash of a ``Progress``); those are not declared in ``KEYS`` but share the
+  tag, which Redis and Valkey Cluster accept (services that insist on declared keys only are not
+  supported). ``kv.3:models`` lives in another slot and is only written outside the scripts: one
+  ``SADD`` the first time this client writes a model (or its progress). ``clear_model`` leaves it,
+  as other clients may have cached the model as seen; enumerating a cleared model just finds
+  nothing. ``clear_pod`` and ``clear_model`` leave ``seq`` and ``epoch`` too: progress records
+  what was applied, and the epoch marker is there to go only when the server loses its data.
 * Atomicity: a lookup is one ``MGET``; every write is cut into slices, each one Lua script call,
   so no reader sees half of a slice. A store or remove of at most ``slice_blocks`` blocks or
   engine hashes is one slice; a larger one is cut into near-equal slices of at most that many,
@@ -76,14 +109,15 @@ Why it is safe:
   at most ``slice_blocks`` of work per pipeline (round trip). At the default 2048, a call takes
   7-15 ms on the server (``bench/index_slices.py``); unsliced, a 65536-block store took ~250 ms
   in one call, a 65536-hash remove ~550 ms and the clear of a 100k-block pod ~575 ms.
-* Consistency: the invariants of ``memory`` hold here too: ``P@T`` is an entry of ``b:K`` iff
+* Consistency: the invariants of ``memory`` hold here too: ``P@T`` is an entry of block ``K`` iff
   ``K`` is in ``p:P:t:T``; an engine hash of P points at a key P holds on some tier; ``p:P:k``
   with the implied links is exactly the inverse of ``p:P:e`` (so it has no field for a key P
-  does not hold, and never lists a key's own hash).
+  does not hold, and never lists just the key itself).
 
 Cost on the server: the store and remove scripts make a fixed number of variadic commands per
 call, clear_pod per 1000 keys, not a few per block: reads with ``MGET`` / ``HMGET``, writes with
-``MSET``, ``HSET``, ``SADD``, ``DEL``, ... (see ``_LUA_HELPERS``).
+``MSET``, ``HSET``, ``SADD``, ``DEL``, ... (see ``_LUA_HELPERS`` and ``_LUA_LAYOUT``); a store of
+aligned blocks into a pod whose links are all implied touches no engine map at all.
 
 No TTLs and no per-key bound: an entry lives until it is removed, cleared, or its model cleared;
 speculative entries are the exception, written by routers with an expiry of a few seconds (a
@@ -98,10 +132,10 @@ import hashlib
 import struct
 import time
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
-from urllib.parse import quote, unquote
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.exceptions import NoScriptError
@@ -126,9 +160,13 @@ from scoring.index.resp import ReadConnection, ReplyError
 from scoring.keys import BlockKey, Digest
 
 DEFAULT_NAMESPACE = "kv"
-LAYOUT = b".2"
-"""Appended to the namespace in every key name: the version of the layout. Keys of another layout
-(``kv:...``, the layout before engine hashes were hex and links implied) are never read."""
+LAYOUT = b".3"
+"""Appended to the namespace in every key name: the version of the layout (``.3c`` for the
+compact one). Keys of another layout (``kv:...`` and ``kv.2:...``, the layouts before, or the
+other of the two) are never read."""
+COMPACT_LAYOUT = LAYOUT + b"c"
+LAYOUTS = {"fast": False, "compact": True}
+"""The values of the URL's ``layout`` option: whether reverse sets are kept in blob buckets."""
 DEFAULT_SLICE_BLOCKS = 2048
 DEFAULT_READ_TIMEOUT = 5.0
 """``alookup``'s time-outs when the URL and options set none (redis-py waits forever)."""
@@ -155,24 +193,26 @@ def decode_name(encoded: bytes) -> str:
 class _ModelKeys:
     """Key names and prefixes of one model (see the module docstring)."""
 
-    block_prefix: bytes  # kv.2:{M}:b:
-    pod_prefix: bytes  # kv.2:{M}:p:
-    pods: bytes  # kv.2:{M}:pods
-    seq: bytes  # kv.2:{M}:seq
-    epoch: bytes  # kv.2:{M}:epoch
-    speculative_prefix: bytes  # kv.2:{M}:s:
+    block_prefix: bytes  # kv.3:{M}b
+    pod_prefix: bytes  # kv.3:{M}:p:
+    pods: bytes  # kv.3:{M}:pods
+    seq: bytes  # kv.3:{M}:seq
+    epoch: bytes  # kv.3:{M}:epoch
+    speculative_prefix: bytes  # kv.3:{M}:s:
 
     def pod_keys(self, pod: bytes) -> tuple[bytes, bytes, bytes]:
-        """The tier-set prefix, engine map and key -> engine hashes map of an encoded pod."""
+        """The tier-set prefix, engine map and key -> engine hashes map (their states: the buckets
+        are at ``name:i``) of an encoded pod."""
         base = self.pod_prefix + pod
         return base + b":t:", base + b":e", base + b":k"
 
 
 @functools.lru_cache(maxsize=1024)
-def _model_keys(namespace: str, model: str) -> _ModelKeys:
-    tagged = namespace.encode() + LAYOUT + b":{" + encode_name(model) + b"}:"
+def _model_keys(namespace: bytes, model: str) -> _ModelKeys:
+    """``namespace``: with the layout's version."""
+    tagged = namespace + b":{" + encode_name(model) + b"}:"
     return _ModelKeys(
-        block_prefix=tagged + b"b:",
+        block_prefix=tagged[:-1] + b"b",
         pod_prefix=tagged + b"p:",
         pods=tagged + b"pods",
         seq=tagged + b"seq",
@@ -328,129 +368,365 @@ local function record_progress(finished)
 end
 """
 
-# KEYS: tier set, engine map, key -> hashes map, pods set, then the n blocks.
-# ARGV: field "P@T", pod field prefix "P@", "1" if no block key and no engine hash appears twice
-# in the call (else "0"), then the n block keys K, the n engine hashes h (both hex) and the n
-# digests, in block order, then the progress triple (see record_progress).
-# Commands: MGET, HMGET, MSET, SADD x2, HSET x2 (one when every h is its K); one more HMGET (and
-# an HDEL) in the rare cases that a hash is re-pointed, a held block gets a new hash, or a key or
-# hash repeats in the call.
-_STORE = _Script(
-    "#!lua\n"
-    + _LUA_HELPERS
+# Lua for one server's layout (module docstring): blocks carry the head of their digest; a pod's
+# engine map and key -> hashes map hold only what is not implied (an engine hash equal to the key
+# it points at).
+_LUA_LAYOUT = """
+local HEAD, NO_HEAD = 24, string.rep(string.char(0), 24)
+-- The entries of a block's value (after the digest head).
+local function entries_of(value) return string.sub(value, HEAD + 1) end
+
+-- Where the 8-byte word w is in the concatenated words of list (nil: it is not).
+local function find_word8(list, w)
+  for at = 1, #list, 8 do
+    if string.sub(list, at, at + 7) == w then return at end
+  end
+  return nil
+end
+-- list without the word w ('' when nothing is left).
+local function without8(list, w)
+  local at = find_word8(list, w)
+  if not at then return list end
+  return string.sub(list, 1, at - 1) .. string.sub(list, at + 8)
+end
+
+-- A pod's links between engine hashes and keys, read into tables: E[h] the key an explicit
+-- engine hash points at (false: none), L[x] the hashes pointing at key x when not implied (false:
+-- implied, "x itself" if the pod holds x), held[x] whether the pod holds x on some tier. Each is
+-- read for the words asked with links_read; links_write writes back what changed.
+local function links_new(engine, hashes_of)
+  return {engine = engine, hashes_of = hashes_of, E = {}, L = {}, E0 = {}, L0 = {}, held = {}}
+end
+local function links_read(lk, hashes, keys)
+  local e_want, l_want = {}, {}
+  for _, h in ipairs(hashes) do
+    if lk.E[h] == nil then
+      lk.E[h] = false
+      e_want[#e_want + 1] = h
+    end
+  end
+  for _, x in ipairs(keys) do
+    if lk.L[x] == nil then
+      lk.L[x] = false
+      l_want[#l_want + 1] = x
+    end
+  end
+  local got = call_many('HMGET', lk.engine, e_want)
+  for j, h in ipairs(e_want) do lk.E[h], lk.E0[h] = got[j] or false, got[j] or false end
+  got = call_many('HMGET', lk.hashes_of, l_want)
+  for j, x in ipairs(l_want) do lk.L[x], lk.L0[x] = got[j] or false, got[j] or false end
+end
+-- The key engine hash h points at (nil: none); E, L and held of h read.
+local function links_target(lk, h)
+  if lk.E[h] then return lk.E[h] end
+  if lk.held[h] and (not lk.L[h] or find_word8(lk.L[h], h)) then return h end
+  return nil
+end
+-- The hashes pointing at key x, concatenated; L and held of x read.
+local function links_of(lk, x)
+  if lk.L[x] then return lk.L[x] end
+  if lk.held[x] then return x end
+  return ''
+end
+-- L[x] = list, implied when it is x alone.
+local function links_set(lk, x, list)
+  if list == x then list = false end
+  lk.L[x] = list
+end
+-- Point h at key (held by the pod; was_held: before this block), first unlinking it from its
+-- old key; L of both read.
+local function links_point(lk, h, key, was_held)
+  local old = links_target(lk, h)
+  if old == key then return end
+  if old then
+    if old ~= h then lk.E[h] = false end
+    links_set(lk, old, without8(links_of(lk, old), h))
+  end
+  if h ~= key then lk.E[h] = key end
+  local list = lk.L[key] or (was_held and key or '')
+  if not find_word8(list, h) then list = list .. h end
+  links_set(lk, key, list)
+end
+-- The pod stops holding key x: every hash pointing at it goes; returns them.
+local function links_forget(lk, x)
+  local list = links_of(lk, x)
+  for at = 1, #list, 8 do
+    local h = string.sub(list, at, at + 7)
+    if h ~= x then lk.E[h] = false end
+  end
+  lk.L[x], lk.held[x] = false, false
+  return list
+end
+local function links_write(lk)
+  local set, gone = {}, {}
+  for h, key in pairs(lk.E) do
+    if key ~= lk.E0[h] then
+      if key then
+        set[#set + 1] = h
+        set[#set + 1] = key
+      else
+        gone[#gone + 1] = h
+      end
+    end
+  end
+  call_many('HSET', lk.engine, set)
+  call_many('HDEL', lk.engine, gone)
+  set, gone = {}, {}
+  for x, list in pairs(lk.L) do
+    if list ~= lk.L0[x] then
+      if list then
+        set[#set + 1] = x
+        set[#set + 1] = list
+      else
+        gone[#gone + 1] = x
+      end
+    end
+  end
+  call_many('HSET', lk.hashes_of, set)
+  call_many('HDEL', lk.hashes_of, gone)
+end
+"""
+
+# A pod's reverse set on a tier, in one of two layouts (``RedisIndex``'s ``compact``): a SET of
+# its keys, or the keys in blob buckets (module docstring). Both give the scripts the same calls.
+_LUA_REVERSE_SET = """
+local function rev_open(key) return {key = key} end
+local function rev_add(r, list, first, last) call_range('SADD', r.key, list, first, last) end
+local function rev_remove(r, list) call_many('SREM', r.key, list) end
+local function rev_pop(r, count) return redis.call('SPOP', r.key, count) end
+local function rev_save(r) end
+local function rev_empty(r) return redis.call('EXISTS', r.key) == 0 end
+local function rev_count(key) return redis.call('SCARD', key) end
+"""
+_LUA_REVERSE_BUCKETS = (
+    """
+local BLOB_FILL, BLOB_LOW = 32, 8
+"""
     + """
+-- A reverse set in blob buckets: a hash whose field '#' is the state "m s n" and whose field i is
+-- bucket i, its members (8-byte keys) concatenated. Member x is in bucket x mod m, or x mod 2m
+-- when that is below s (x: its last three bytes). Buckets are read as needed and written back by
+-- blob_save.
+local function blob_open(key)
+  local state = redis.call('HGET', key, '#')
+  local b = {key = key, m = 1, s = 0, n = 0, was = state or false, blobs = {}, dirty = {}}
+  if state then
+    local m, s, n = string.match(state, '^(%d+) (%d+) (%d+)$')
+    b.m, b.s, b.n = tonumber(m), tonumber(s), tonumber(n)
+  end
+  return b
+end
+local function blob_index(b, x)
+  local p, q, r = string.byte(x, -3, -1)
+  local v = (p * 256 + q) * 256 + r
+  local i = v % b.m
+  if i < b.s then i = v % (2 * b.m) end
+  return i
+end
+-- Read the buckets not read yet among those of list[first..last] (one HMGET), or of bucket i.
+local function blob_load(b, list, first, last)
+  local want, seen = {}, {}
+  for j = first, last do
+    local i = blob_index(b, list[j])
+    if b.blobs[i] == nil and not seen[i] then
+      seen[i] = true
+      want[#want + 1] = i
+    end
+  end
+  if #want == 0 then return end
+  local got = call_many('HMGET', b.key, want)
+  for j, i in ipairs(want) do b.blobs[i] = got[j] or '' end
+end
+local function blob_bucket(b, i)
+  if b.blobs[i] == nil then b.blobs[i] = redis.call('HGET', b.key, i) or '' end
+  return b.blobs[i]
+end
+-- Where member x is in blob (nil: it is not).
+local function blob_find(blob, x)
+  local from = 1
+  while true do
+    local at = string.find(blob, x, from, true)
+    if not at or at % 8 == 1 then return at end
+    from = at + 1
+  end
+end
+-- Add (remove) member x, its bucket read; whether it was added (removed).
+local function blob_add(b, x)
+  local i = blob_index(b, x)
+  local blob = b.blobs[i]
+  if blob_find(blob, x) then return false end
+  b.blobs[i], b.dirty[i], b.n = blob .. x, true, b.n + 1
+  return true
+end
+local function blob_remove(b, x)
+  local i = blob_index(b, x)
+  local blob = b.blobs[i]
+  local at = blob_find(blob, x)
+  if not at then return false end
+  b.blobs[i], b.dirty[i], b.n = string.sub(blob, 1, at - 1) .. string.sub(blob, at + 8), true, b.n - 1
+  return true
+end
+-- One more bucket: bucket s splits into s and s + m.
+local function blob_split(b)
+  local s, m = b.s, b.m
+  local keep, move, blob = {}, {}, blob_bucket(b, s)
+  for at = 1, #blob, 8 do
+    local x = string.sub(blob, at, at + 7)
+    local p, q, r = string.byte(x, -3, -1)
+    if ((p * 256 + q) * 256 + r) % (2 * m) == s then keep[#keep + 1] = x else move[#move + 1] = x end
+  end
+  b.blobs[s], b.blobs[s + m] = table.concat(keep), table.concat(move)
+  b.dirty[s], b.dirty[s + m] = true, true
+  b.s = s + 1
+  if b.s == m then b.m, b.s = 2 * m, 0 end
+end
+-- One bucket fewer: the last goes back into the bucket it was split from.
+local function blob_shrink(b)
+  if b.s == 0 then b.m, b.s = b.m / 2, b.m / 2 end
+  b.s = b.s - 1
+  local last, into = b.s + b.m, b.s
+  b.blobs[into] = blob_bucket(b, into) .. blob_bucket(b, last)
+  b.blobs[last] = ''
+  b.dirty[into], b.dirty[last] = true, true
+end
+-- Take up to count members, from the last buckets (a bucket emptied goes).
+local function blob_pop(b, count)
+  local out = {}
+  while #out < count and b.n > 0 do
+    local last = b.m + b.s - 1
+    local blob = blob_bucket(b, last)
+    local take = math.min(count - #out, #blob / 8)
+    for at = #blob - 8 * take + 1, #blob, 8 do out[#out + 1] = string.sub(blob, at, at + 7) end
+    b.blobs[last], b.dirty[last], b.n = string.sub(blob, 1, #blob - 8 * take), true, b.n - take
+    if #b.blobs[last] == 0 then  -- the emptied last bucket goes: nothing to move back
+      if last == 0 then break end
+      if b.s == 0 then b.m, b.s = b.m / 2, b.m / 2 end
+      b.s = b.s - 1
+    end
+  end
+  return out
+end
+-- Keep BLOB_LOW .. BLOB_FILL members a bucket on average (splitting, merging), then write the
+-- buckets that changed and the state; an empty set goes whole.
+local function blob_save(b)
+  if b.n <= 0 then
+    if b.was then redis.call('DEL', b.key) end
+    return
+  end
+  while b.n > BLOB_FILL * (b.m + b.s) do blob_split(b) end
+  while b.m + b.s > 1 and b.n < BLOB_LOW * (b.m + b.s) do blob_shrink(b) end
+  local state = b.m .. ' ' .. b.s .. ' ' .. b.n
+  local set, gone = {}, {}
+  if state ~= b.was then set[1], set[2] = '#', state end
+  for i in pairs(b.dirty) do
+    if i >= b.m + b.s or b.blobs[i] == '' then
+      gone[#gone + 1] = i
+    else
+      set[#set + 1] = i
+      set[#set + 1] = b.blobs[i]
+    end
+  end
+  call_many('HSET', b.key, set)
+  call_many('HDEL', b.key, gone)
+end
+
+"""
+    + """
+local rev_open, rev_pop, rev_save = blob_open, blob_pop, blob_save
+local function rev_add(r, list, first, last)
+  blob_load(r, list, first, last)
+  for i = first, last do blob_add(r, list[i]) end
+end
+local function rev_remove(r, list)
+  blob_load(r, list, 1, #list)
+  for _, x in ipairs(list) do blob_remove(r, x) end
+end
+local function rev_empty(r) return r.n <= 0 end
+local function rev_count(key)
+  local state = redis.call('HGET', key, '#')
+  return state and tonumber(string.match(state, '(%d+)$')) or 0
+end
+"""
+)
+
+# KEYS: tier set, engine map, key -> hashes map, pods set, then the n blocks.
+# ARGV: field "P@T", pod field prefix "P@", then the n block keys K and the n engine hashes h (8
+# bytes each) and the n digest heads, in block order, then the progress triple (see
+# record_progress).
+# Commands: MGET, MSET, SADD x2, EXISTS; only when the pod has links that are not implied (an
+# engine hash that is not its key), or this call makes some: HMGET x2 (and MGET of the blocks of
+# hashes not in the call), HSET and HDEL of what changed.
+_STORE_BODY = """
 local function run()
   local tier_set, engine, hashes_of, pods = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-  local field, pod_prefix, distinct = ARGV[1], ARGV[2], ARGV[3] == '1'
+  local field, pod_prefix = ARGV[1], ARGV[2]
   local n = #KEYS - 4
-  local K, H, D = 3, 3 + n, 3 + 2 * n  -- block i: K ARGV[K + i], hash ARGV[H + i], digest ARGV[D + i]
+  local K, H, D = 2, 2 + n, 2 + 2 * n  -- block i: K ARGV[K + i], hash ARGV[H + i], head ARGV[D + i]
 
-  -- Read the blocks and the engine hashes, then in one pass over the blocks: add the entry to every
-  -- block that lacks it (a block named twice gets the same value twice), and point each engine
-  -- hash at its digest, linking (K, hash) in the key -> hashes map. The common case needs no more
-  -- than that pass: every hash the call changes is new to the pod and names a block the pod held
-  -- on no tier (so, by the invariant, one that no hash of the pod links to), and no key or hash
-  -- repeats: each change is one field in each map. Otherwise the engine hashes take the general
-  -- path below.
-  local before = call_range('MGET', nil, KEYS, 5, 4 + n)
-  local old = call_range('HMGET', engine, ARGV, H + 1, H + n)
-  local set, s = {}, 0
-  local fields, links, f, l = {}, {}, 0, 0
-  local simple = distinct
+  -- The blocks: the entry added where it lacks, the head of the digest kept (one of a chain's
+  -- digest replaces the key's, all zero, when the key was adopted by engine hash).
+  local names, before = {}, call_range('MGET', nil, KEYS, 5, 4 + n)
+  local after, held_before, aligned = {}, {}, true
   for i = 1, n do
-    local cur = before[i]
+    local name, key, head = KEYS[4 + i], ARGV[K + i], ARGV[D + i]
+    names[i] = name
+    local cur = after[name]
+    if cur == nil then
+      cur = before[i] or false
+      held_before[key] = cur and has_prefix(entries_of(cur), pod_prefix) or false
+    end
     if not cur then
-      set[s + 1], set[s + 2], s = KEYS[4 + i], field, s + 2
-    elseif not has_word(cur, field) then
-      set[s + 1], set[s + 2], s = KEYS[4 + i], cur .. ' ' .. field, s + 2
+      after[name] = head .. field
+    else
+      local rest = entries_of(cur)
+      if not has_word(rest, field) then rest = rest .. ' ' .. field end
+      if string.sub(cur, 1, HEAD) == NO_HEAD then cur = head end
+      after[name] = string.sub(cur, 1, HEAD) .. rest
     end
-    if simple then
-      local digest, was = ARGV[D + i], old[i]
-      if was ~= digest then
-        if was or (cur and has_prefix(cur, pod_prefix)) then
-          simple = false
-        else
-          local h, key = ARGV[H + i], ARGV[K + i]
-          fields[f + 1], fields[f + 2], f = h, digest, f + 2
-          if h ~= key then links[l + 1], links[l + 2], l = key, h, l + 2 end
-        end
-      end
-    end
+    if ARGV[H + i] ~= key then aligned = false end
   end
-  call_range('MSET', nil, set, 1, s)
-  call_range('SADD', tier_set, ARGV, K + 1, K + n)
+  save_blocks(names, before, after)
+  local reverse = rev_open(tier_set)
+  rev_add(reverse, ARGV, K + 1, K + n)
+  rev_save(reverse)
   redis.call('SADD', pods, field)
-  if simple then
-    call_range('HSET', engine, fields, 1, f)
-    call_range('HSET', hashes_of, links, 1, l)
-    return n
-  end
+  if aligned and redis.call('EXISTS', engine, hashes_of) == 0 then return n end  -- every link implied
 
-  -- The general path: replay the hashes in order; a change links (K, hash) and, when the hash
-  -- pointed at another block, first unlinks (old K, hash); a link of a key to itself is implied,
-  -- never written. Then read the links of every key touched, replay the moves on them and write
-  -- back what changed.
-  local now, moves, move_key, move_hash, move_link = {}, 0, {}, {}, {}
-  fields, links, f = {}, {}, 0
+  -- Replay the links in order on tables: each hash points at its block from now on.
+  local lk = links_new(engine, hashes_of)
+  local hashes, words, others = {}, {}, {}
   for i = 1, n do
-    local h, digest = ARGV[H + i], ARGV[D + i]
-    local cur = now[h]
-    if cur == nil then cur = old[i] end
-    if cur ~= digest then
-      local was_key = cur and hex_key(cur)
-      if was_key and was_key ~= h then
-        moves = moves + 1
-        move_key[moves], move_hash[moves], move_link[moves] = was_key, h, false
-      end
-      now[h] = digest
-      fields[f + 1], fields[f + 2], f = h, digest, f + 2
-      if ARGV[K + i] ~= h then
-        moves = moves + 1
-        move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
-      end
+    hashes[i] = ARGV[H + i]
+    words[#words + 1] = ARGV[K + i]
+    words[#words + 1] = ARGV[H + i]
+  end
+  links_read(lk, hashes, {})
+  for _, h in ipairs(hashes) do
+    if lk.E[h] then words[#words + 1] = lk.E[h] end
+  end
+  links_read(lk, {}, words)
+  for _, x in ipairs(words) do
+    if held_before[x] == nil and lk.held[x] == nil then
+      lk.held[x] = false
+      others[#others + 1] = x
     end
   end
-  if f == 0 then return n end
-  call_range('HSET', engine, fields, 1, f)  -- a hash named twice: the last (newest) digest wins
-  if moves == 0 then return n end
-
-  local keys, linked = {}, {}
-  for m = 1, moves do
-    local key = move_key[m]
-    if linked[key] == nil then
-      keys[#keys + 1] = key
-      linked[key] = false
+  if #others > 0 then
+    local other_names = {}
+    for j, x in ipairs(others) do other_names[j] = string.sub(KEYS[5], 1, -9) .. x end
+    local values = call_many('MGET', nil, other_names)
+    for j, x in ipairs(others) do
+      lk.held[x] = values[j] and has_prefix(entries_of(values[j]), pod_prefix) or false
     end
   end
-  local was = call_many('HMGET', hashes_of, keys)
-  for j, key in ipairs(keys) do linked[key] = was[j] end
-  for m = 1, moves do
-    local key, h = move_key[m], move_hash[m]
-    local cur = linked[key]
-    if move_link[m] then
-      if not cur then
-        linked[key] = h
-      elseif not has_word(cur, h) then
-        linked[key] = cur .. ' ' .. h
-      end
-    elseif cur then
-      linked[key] = without(cur, h)
-    end
+  for x, was in pairs(held_before) do lk.held[x] = was end
+  for i = 1, n do
+    local key = ARGV[K + i]
+    local was_held = lk.held[key]
+    lk.held[key] = true
+    links_point(lk, ARGV[H + i], key, was_held)
   end
-  local gone = {}
-  for j, key in ipairs(keys) do
-    local value = linked[key]
-    if value ~= was[j] then
-      if value then
-        links[#links + 1] = key
-        links[#links + 1] = value
-      else
-        gone[#gone + 1] = key
-      end
-    end
-  end
-  call_many('HSET', hashes_of, links)
-  call_many('HDEL', hashes_of, gone)
+  links_write(lk)
   return n
 end
 
@@ -458,80 +734,72 @@ local stored = run()
 record_progress(true)
 return stored
 """
-)
 
-# KEYS: engine map, key -> hashes map, pods set, tier set.
-# ARGV: field "P@T", block prefix, pod field prefix "P@", then the engine hashes, then the
-# progress triple (see record_progress).
-# Commands: HMGET, and when a hash is known MGET + HMGET, then MSET / DEL of the blocks, SREM,
-# HMGET (the implied links of the keys the pod no longer holds) + HDEL x2, EXISTS (+ SREM) for
-# what changed.
-_REMOVE = _Script(
-    "#!lua\n"
-    + _LUA_HELPERS
-    + """
+# KEYS: engine map, key -> hashes map, tier set, pods set.
+# ARGV: field "P@T", block prefix, pod field prefix "P@", then the engine hashes (8 bytes each),
+# then the progress triple (see record_progress).
+# Commands: HMGET x2, MGET of the blocks the hashes may point at, then when one is held: MSET /
+# DEL of the blocks, SREM, HSET / HDEL of what changed, EXISTS (+ SREM of the pods set when the
+# tier set empties).
+_REMOVE_BODY = """
 local function run()
-  local engine, hashes_of, pods, tier_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+  local pods = KEYS[4]
   local field, block_prefix, pod_prefix = ARGV[1], ARGV[2], ARGV[3]
   local last = #ARGV - 3  -- the last engine hash
 
-  -- The blocks (and their key -> hashes entries) the known hashes point at, each read once.
-  local digests = call_range('HMGET', engine, ARGV, 4, last)
-  local key_at, keys, names = {}, {}, {}
-  for i, digest in ipairs(digests) do
-    if digest then
-      local key = hex_key(digest)
-      key_at[i] = key
-      if names[key] == nil then
-        keys[#keys + 1] = key
-        names[key] = block_prefix .. key
-      end
-    else
-      key_at[i] = false
+  -- The key each hash points at: its explicit link, else itself (implied, when the pod holds it).
+  local lk = links_new(KEYS[1], KEYS[2])
+  local hashes = {}
+  for i = 4, last do hashes[#hashes + 1] = ARGV[i] end
+  links_read(lk, hashes, {})
+  local cands, seen = {}, {}
+  for _, h in ipairs(hashes) do
+    local x = lk.E[h] or h
+    if not seen[x] then
+      seen[x] = true
+      cands[#cands + 1] = x
     end
   end
-  if #keys == 0 then return 0 end
-  local block_names = {}
-  for i, key in ipairs(keys) do block_names[i] = names[key] end
-  local before = call_many('MGET', nil, block_names)
-  local was = call_many('HMGET', hashes_of, keys)
-  local after, linked = {}, {}
-  for i, key in ipairs(keys) do
-    after[block_names[i]] = before[i]
-    linked[key] = was[i]
+  local names = {}
+  for j, x in ipairs(cands) do names[j] = block_prefix .. x end
+  local before = call_many('MGET', nil, names)
+  local after = {}
+  for j, x in ipairs(cands) do
+    after[names[j]] = before[j]
+    lk.held[x] = before[j] and has_prefix(entries_of(before[j]), pod_prefix) or false
   end
+  links_read(lk, {}, cands)
+  local key_at = {}
+  for i, h in ipairs(hashes) do key_at[i] = links_target(lk, h) or false end
 
   -- Replay the hashes in order: drop the entry from its block; when the pod then holds the block
   -- on no tier, every engine hash pointing at it goes (later hashes among them are unknown).
-  local removed, dropped, forgotten, forgotten_links, unknown = 0, {}, {}, {}, {}
-  for i = 1, last - 3 do
-    local h, key = ARGV[3 + i], key_at[i]
+  local removed, dropped, unknown = 0, {}, {}
+  for i, h in ipairs(hashes) do
+    local key = key_at[i]
     if key and not unknown[h] then
-      local name = names[key]
+      local name = block_prefix .. key
       local cur = after[name]
-      if cur and has_word(cur, field) then
-        local rest = without(cur, field)
-        after[name] = rest
+      local rest = cur and entries_of(cur)
+      if rest and has_word(rest, field) then
+        rest = without(rest, field)
+        after[name] = rest and (string.sub(cur, 1, HEAD) .. rest)
         removed = removed + 1
         dropped[#dropped + 1] = key
-        local hs = linked[key]
-        if hs ~= nil and not (rest and has_prefix(rest, pod_prefix)) then
-          if hs then
-            for w in string.gmatch(hs, '%S+') do unknown[w] = true end
-          end
-          forgotten[#forgotten + 1] = key
-          forgotten_links[#forgotten] = hs
-          linked[key] = nil
+        if not (rest and has_prefix(rest, pod_prefix)) then
+          local list = links_forget(lk, key)
+          for at = 1, #list, 8 do unknown[string.sub(list, at, at + 7)] = true end
         end
       end
     end
   end
   if removed == 0 then return 0 end
-  save_blocks(block_names, before, after)
-  call_many('SREM', tier_set, dropped)
-  call_many('HDEL', engine, hashes_of_keys(engine, forgotten, forgotten_links))
-  call_many('HDEL', hashes_of, forgotten)
-  if redis.call('EXISTS', tier_set) == 0 then redis.call('SREM', pods, field) end
+  save_blocks(names, before, after)
+  local reverse = rev_open(KEYS[3])
+  rev_remove(reverse, dropped)
+  rev_save(reverse)
+  links_write(lk)
+  if rev_empty(reverse) then redis.call('SREM', pods, field) end
   return removed
 end
 
@@ -539,38 +807,37 @@ local removed = run()
 record_progress(true)
 return removed
 """
-)
 
 # KEYS: pods set, engine map, key -> hashes map.
-# ARGV: pod field prefix "P@", block prefix, tier-set prefix "kv.2:{M}:p:P:t:", the most entries
+# ARGV: pod field prefix "P@", block prefix, tier-set prefix "kv.3:{M}:p:P:t:", the most entries
 # to remove (>= 1), then the progress triple (see record_progress), recorded by the call that
 # finishes the clear. Returns {entries removed, 1 if the pod has entries left else 0}.
-# Commands per 1000 entries: SPOP, MGET, MSET / DEL of the blocks, HMGET x2 + HDEL x2 for the
-# keys the pod then holds on no tier; per tier: EXISTS, SREM.
-_CLEAR_POD = _Script(
-    "#!lua\n"
-    + _LUA_HELPERS
-    + """
-local pods, engine, hashes_of = KEYS[1], KEYS[2], KEYS[3]
+# Commands per 1000 entries: SPOP, MGET, MSET / DEL of the blocks, HMGET + HDEL x2 for the keys
+# the pod then holds on no tier; per tier: EXISTS, SREM.
+_CLEAR_POD_BODY = """
+local pods = KEYS[1]
 local pod_prefix, block_prefix, tier_prefix, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local lk = links_new(KEYS[2], KEYS[3])
 
 -- Drop the entry field from the blocks of keys (just popped from its tier set); as in a remove,
 -- the engine hashes of a key go when the pod no longer holds it on any tier. So every invariant
 -- holds between two calls.
 local function drop(field, keys)
-  local block_names, after, orphans = {}, {}, {}
-  for i, key in ipairs(keys) do block_names[i] = block_prefix .. key end
-  local before = redis.call('MGET', unpack(block_names))
-  for i, name in ipairs(block_names) do
-    local rest = before[i] and without(before[i], field)
-    after[name] = rest
+  local names, after, orphans = {}, {}, {}
+  for i, key in ipairs(keys) do names[i] = block_prefix .. key end
+  local before = redis.call('MGET', unpack(names))
+  for i, name in ipairs(names) do
+    local rest = before[i] and without(entries_of(before[i]), field)
+    after[name] = rest and (string.sub(before[i], 1, HEAD) .. rest)
     if not (rest and has_prefix(rest, pod_prefix)) then orphans[#orphans + 1] = keys[i] end
   end
-  save_blocks(block_names, before, after)
+  save_blocks(names, before, after)
   if #orphans == 0 then return end
-  local linked = redis.call('HMGET', hashes_of, unpack(orphans))
-  call_many('HDEL', engine, hashes_of_keys(engine, orphans, linked))
-  redis.call('HDEL', hashes_of, unpack(orphans))
+  links_read(lk, {}, orphans)
+  for _, key in ipairs(orphans) do
+    lk.held[key] = true  -- until forgotten: its implied link goes with it
+    links_forget(lk, key)
+  end
 end
 
 -- Returns the entries removed and whether the pod has entries left.
@@ -579,26 +846,60 @@ local function run()
   for _, field in ipairs(redis.call('SMEMBERS', pods)) do
     if string.sub(field, 1, #pod_prefix) == pod_prefix then
       if removed == limit then return removed, true end
-      local tier_set = tier_prefix .. string.sub(field, #pod_prefix + 1)
+      local reverse = rev_open(tier_prefix .. string.sub(field, #pod_prefix + 1))
       local keys
       repeat
-        keys = redis.call('SPOP', tier_set, math.min(1000, limit - removed))
+        keys = rev_pop(reverse, math.min(1000, limit - removed))
         if #keys > 0 then drop(field, keys) end
         removed = removed + #keys
       until #keys == 0 or removed == limit
-      if redis.call('EXISTS', tier_set) == 1 then return removed, true end
+      rev_save(reverse)
+      if not rev_empty(reverse) then return removed, true end
       redis.call('SREM', pods, field)
     end
   end
-  redis.call('DEL', engine, hashes_of)
   return removed, false
 end
 
 local removed, more = run()
+links_write(lk)
+if not more then redis.call('DEL', KEYS[2], KEYS[3]) end
 record_progress(not more)
 return {removed, more and 1 or 0}
 """
-)
+
+# KEYS: engine map, key -> hashes map. ARGV: block prefix, pod field prefix "P@", then engine
+# hashes (8 bytes each). Returns, per hash, the digest of the block it points at (its head and
+# key; the key alone when the head is all zero), or nil.
+_RESOLVE_BODY = """
+local block_prefix, pod_prefix = ARGV[1], ARGV[2]
+local lk = links_new(KEYS[1], KEYS[2])
+local hashes = {}
+for i = 3, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+if #hashes == 0 then return {} end
+links_read(lk, hashes, {})
+local cands, names = {}, {}
+for i, h in ipairs(hashes) do
+  cands[i] = lk.E[h] or h
+  names[i] = block_prefix .. cands[i]
+end
+local values = call_many('MGET', nil, names)
+for i, x in ipairs(cands) do
+  lk.held[x] = values[i] and has_prefix(entries_of(values[i]), pod_prefix) or false
+end
+links_read(lk, {}, cands)
+local out = {}
+for i, h in ipairs(hashes) do
+  local key = links_target(lk, h)
+  if key and lk.held[key] then
+    local head = string.sub(values[i], 1, HEAD)
+    out[i] = head == NO_HEAD and key or (head .. key)
+  else
+    out[i] = false
+  end
+end
+return out
+"""
 
 # KEYS: seq hash. ARGV: encoded holder, seq. A Progress with no write to go with: a script rather
 # than a plain HSET, so that when the server has lost the scripts it is refused (and sent again)
@@ -608,19 +909,19 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 0
 """)
 
-# KEYS: pods set. ARGV: pod prefix "kv.2:{M}:p:". Returns a flat list: "P@T", count, ...
-_POD_BLOCKS = _Script("""#!lua flags=no-writes
+# KEYS: pods set. ARGV: pod prefix "kv.3:{M}:p:". Returns a flat list: "P@T", count, ...
+_POD_BLOCKS_BODY = """
 local out = {}
 for _, field in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local at = string.find(field, '@', 1, true)
   local tier_set = ARGV[1] .. string.sub(field, 1, at - 1) .. ':t:' .. string.sub(field, at + 1)
   out[#out + 1] = field
-  out[#out + 1] = redis.call('SCARD', tier_set)
+  out[#out + 1] = rev_count(tier_set)
 end
 return out
-""")
+"""
 
-# KEYS: the speculative keys kv.2:{M}:s:K of one request. ARGV: encoded pod P, now and until (Unix
+# KEYS: the speculative keys kv.3:{M}:s:K of one request. ARGV: encoded pod P, now and until (Unix
 # ms, integers). Each key keeps its unexpired entries of other pods, gets "P=until", and expires
 # with the last of its entries.
 _SPECULATE = _Script("""#!lua
@@ -642,7 +943,48 @@ end
 return #KEYS
 """)
 
-_SCRIPTS = (_STORE, _REMOVE, _CLEAR_POD, _PROGRESS, _POD_BLOCKS, _SPECULATE)
+
+@dataclass(frozen=True, slots=True)
+class _Scripts:
+    """The scripts of one layout (``RedisIndex``'s ``compact``)."""
+
+    store: _Script
+    remove: _Script
+    clear_pod: _Script
+    resolve: _Script
+    pod_blocks: _Script
+    progress: _Script = _PROGRESS
+    speculate: _Script = _SPECULATE
+
+    def __iter__(self) -> Iterator[_Script]:
+        return iter(
+            (
+                self.store,
+                self.remove,
+                self.clear_pod,
+                self.resolve,
+                self.pod_blocks,
+                self.progress,
+                self.speculate,
+            )
+        )
+
+
+def _scripts(reverse: str) -> _Scripts:
+    """The scripts, with the reverse-set calls of one layout."""
+    writes = "#!lua\n" + _LUA_HELPERS + _LUA_LAYOUT + reverse
+    reads = "#!lua flags=no-writes\n" + _LUA_HELPERS + _LUA_LAYOUT + reverse
+    return _Scripts(
+        store=_Script(writes + _STORE_BODY),
+        remove=_Script(writes + _REMOVE_BODY),
+        clear_pod=_Script(writes + _CLEAR_POD_BODY),
+        resolve=_Script(reads + _RESOLVE_BODY),
+        pod_blocks=_Script(reads + _POD_BLOCKS_BODY),
+    )
+
+
+_FAST_SCRIPTS = _scripts(_LUA_REVERSE_SET)
+_COMPACT_SCRIPTS = _scripts(_LUA_REVERSE_BUCKETS)
 
 
 def _raise_if_error(reply: Any) -> Any:
@@ -652,16 +994,21 @@ def _raise_if_error(reply: Any) -> Any:
     return reply
 
 
-def _held_run(values: Sequence[bytes | None], wanted: Collection[str] | None) -> list[HolderMap]:
-    """The holders of the longest held run in an ``MGET``'s answer, restricted to ``wanted``.
+def _held_run(
+    values: Sequence[bytes | None], wanted: Collection[str] | None, head: int = 0
+) -> list[HolderMap]:
+    """The holders of the longest held run in an ``MGET``'s answer, restricted to ``wanted``; each
+    value's entries start after ``head`` bytes.
 
-    Each distinct block value is parsed (and filtered) once: the blocks of a shared prefix are
+    Each distinct list of entries is parsed (and filtered) once: the blocks of a shared prefix are
     held by the same entries, so most keys cost a dict look-up, and share one map."""
     parsed: dict[bytes, HolderMap] = {}
     out: list[HolderMap] = []
     for value in values:
         if value is None:
             break
+        if head:
+            value = value[head:]
         holders = parsed.get(value)
         if holders is None:
             holders = _parse_holders(value)
@@ -674,15 +1021,17 @@ def _held_run(values: Sequence[bytes | None], wanted: Collection[str] | None) ->
     return out
 
 
-def _held_each(values: Sequence[bytes | None]) -> list[HolderMap]:
-    """The holders of every block in an ``MGET``'s answer, ``{}`` where none (each distinct value
-    parsed once, as ``_held_run`` does)."""
+def _held_each(values: Sequence[bytes | None], head: int = 0) -> list[HolderMap]:
+    """The holders of every block in an ``MGET``'s answer, ``{}`` where none (each distinct list
+    of entries, after ``head`` bytes, parsed once, as ``_held_run`` does)."""
     parsed: dict[bytes, HolderMap] = {}
     out: list[HolderMap] = []
     for value in values:
         if value is None:
             out.append({})
             continue
+        if head:
+            value = value[head:]
         holders = parsed.get(value)
         if holders is None:
             holders = parsed[value] = _parse_holders(value)
@@ -698,12 +1047,35 @@ def _hex_keys(values: Sequence[int]) -> list[bytes]:
     return struct.pack(f">{len(values)}Q", *values).hex(" ", 8).encode().split(b" ")
 
 
+_PACK_WORD = struct.Struct(">Q").pack
+
+
+def _words(values: Sequence[int]) -> list[bytes]:
+    """Each block key or engine hash as 8 bytes, big-endian: how names and the per-holder
+    structures hold them (``struct.error`` outside 0..2**64-1)."""
+    return list(map(_PACK_WORD, values))
+
+
+HEAD = 24
+"""Bytes of a block's value before its entries: the head of its digest (module docstring)."""
+_NO_HEAD = bytes(HEAD)
+"""The head of a block whose digest is its key (adopted by engine hash: no chain goes on from it)."""
+
+
+def _digest_head(digest: Digest) -> bytes:
+    """What a block's value starts with: its chain digest without the last 8 bytes (the block key,
+    in its name), or ``_NO_HEAD`` for a digest that is the key itself."""
+    if len(digest) == 32:
+        return digest[:24]
+    if len(digest) == 8:
+        return _NO_HEAD
+    raise ValueError(f"a digest has 32 or 8 bytes, not {len(digest)}")
+
+
 def _block_names(block_prefix: bytes, keys: Sequence[BlockKey]) -> list[bytes]:
-    """``block_prefix + K`` for every key, K in hex. Done in C (pack, hex with a space every 8
-    bytes, one replace, one split) as it is most of a lookup's Python time; ``struct.error``
-    for a key outside 0..2**64-1. The prefix must not contain a space (the namespace cannot)."""
-    spaced = struct.pack(f">{len(keys)}Q", *keys).hex(" ", 8).encode()
-    return (block_prefix + spaced.replace(b" ", b" " + block_prefix)).split(b" ")
+    """``block_prefix + K`` for every key, K as 8 bytes (big-endian): mapped in C, as it is most
+    of a lookup's Python time; ``struct.error`` for a key outside 0..2**64-1."""
+    return list(map(block_prefix.__add__, map(_PACK_WORD, keys)))
 
 
 def _parse_holders(joined: bytes) -> HolderMap:
@@ -774,7 +1146,7 @@ class _Pipelines:
         more = False
         for (position, (script, _, _)), reply in zip(calls, replies, strict=True):
             _raise_if_error(reply)
-            if script is _CLEAR_POD:
+            if script is index._scripts.clear_pod:
                 self._counts[position] += int(reply[0])
                 more = bool(reply[1])
             else:
@@ -796,6 +1168,7 @@ class RedisIndex:
         *,
         namespace: str = DEFAULT_NAMESPACE,
         slice_blocks: int = DEFAULT_SLICE_BLOCKS,
+        compact: bool = False,
     ) -> None:
         if not namespace or any(c in namespace for c in "{} ") or not namespace.isprintable():
             raise ValueError("namespace must be non-empty, printable, and free of '{', '}' and spaces")
@@ -804,7 +1177,9 @@ class RedisIndex:
         self.slice_blocks = slice_blocks
         self._client = client
         self._namespace = namespace
-        self._models_key = namespace.encode() + LAYOUT + b":models"
+        self._prefix = namespace.encode() + (COMPACT_LAYOUT if compact else LAYOUT)
+        self._models_key = self._prefix + b":models"
+        self._scripts = _COMPACT_SCRIPTS if compact else _FAST_SCRIPTS
         self._models_seen: set[str] = set()  # set.add is atomic: no lock needed
         self._read_url: str | None = None  # set by from_url: what alookup connects to
         self._read_timeouts = (1.0, 1.0)
@@ -822,16 +1197,24 @@ class RedisIndex:
         **options: Any,
     ) -> RedisIndex:
         """Connect to ``redis://``, ``rediss://`` or ``unix://`` ``url``; ``options`` go to
-        ``redis.Redis.from_url`` (e.g. ``max_connections``, ``socket_timeout``).
+        ``redis.Redis.from_url`` (e.g. ``max_connections``, ``socket_timeout``), but for the
+        index's ``layout`` (in the URL's query too): ``fast`` (the default) or ``compact``
+        (module docstring).
 
         Defaults: ``socket_connect_timeout`` 5 s, ``health_check_interval`` 30 s. Responses stay
         bytes (``decode_responses`` cannot be turned on: digests are binary)."""
         if options.pop("decode_responses", False):
             raise ValueError("the Redis index needs decode_responses=False")
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        layout = options.pop("layout", None) or dict(query).get("layout", "fast")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown index layout {layout!r}; known: {', '.join(LAYOUTS)}")
+        url = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "layout"])))
         options.setdefault("socket_connect_timeout", 5)
         options.setdefault("health_check_interval", 30)
         client = redis.Redis.from_url(url, decode_responses=False, **options)
-        index = cls(client, namespace=namespace, slice_blocks=slice_blocks)
+        index = cls(client, namespace=namespace, slice_blocks=slice_blocks, compact=LAYOUTS[layout])
         kwargs = client.connection_pool.connection_kwargs  # the URL's query wins, as in redis-py
         index._read_url = url
         index._read_timeouts = (
@@ -852,7 +1235,7 @@ class RedisIndex:
     @_unavailable_on_connection_error
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod``; returns the number of ``(key, tier)`` entries. With
-        ``model=None`` it walks every model in ``kv.2:models``."""
+        ``model=None`` it walks every model in ``kv.3:models``."""
         models = self._models() if model is None else [model]
         return sum(self.apply_updates([ClearPod(m, pod) for m in models]))
 
@@ -874,7 +1257,7 @@ class RedisIndex:
         Another client may see a prefix of the calls applied. A ``Progress`` rides as the last
         arguments of the (last) call of the update before it, or else is a call of its own.
         Empty stores and removes are not sent; models this client has not written yet are added
-        to ``kv.2:models`` in the first pipeline. ``TypeError`` for anything that is not an
+        to ``kv.3:models`` in the first pipeline. ``TypeError`` for anything that is not an
         ``IndexUpdate``, before anything is sent.
 
         When the server has lost the scripts (``SCRIPT FLUSH``, a restart), all of them are
@@ -896,14 +1279,15 @@ class RedisIndex:
         for i, update in enumerate(updates):
             if isinstance(update, Progress):
                 if not attached:
-                    mk = _model_keys(self._namespace, update.model)
-                    pipelines.add(i, (_PROGRESS, [mk.seq], [encode_name(update.pod), update.seq]), 0)
+                    mk = _model_keys(self._prefix, update.model)
+                    progress_call = (self._scripts.progress, [mk.seq], [encode_name(update.pod), update.seq])
+                    pipelines.add(i, progress_call, 0)
                 attached = False
                 continue
             follower = updates[i + 1] if i + 1 < len(updates) else None
             progress = _NO_PROGRESS
             if isinstance(follower, Progress) and follower.model == update.model:
-                mk = _model_keys(self._namespace, update.model)
+                mk = _model_keys(self._prefix, update.model)
                 progress = (mk.seq, encode_name(follower.pod), follower.seq)
             if isinstance(update, (Store, Remove)):
                 store = isinstance(update, Store)
@@ -933,14 +1317,14 @@ class RedisIndex:
     def clear_model(self, *, model: str) -> int:
         """Remove everything under ``model``: ``clear_pod`` of every pod it lists; returns the
         number of ``(key, pod, tier)`` entries."""
-        fields = self._client.smembers(_model_keys(self._namespace, model).pods)
+        fields = self._client.smembers(_model_keys(self._prefix, model).pods)
         pods = sorted({decode_name(field.partition(b"@")[0]) for field in fields})
         return sum(self.apply_updates([ClearPod(model, pod) for pod in pods]))
 
     @_unavailable_on_connection_error
     def set_epoch(self, *, model: str, value: str, if_absent: bool = False) -> bool:
         """``SET`` (``NX`` with ``if_absent``) of the model's ``epoch`` string."""
-        epoch = _model_keys(self._namespace, model).epoch
+        epoch = _model_keys(self._prefix, model).epoch
         return bool(self._client.set(epoch, value.encode(), nx=if_absent))
 
     # -- reads ----------------------------------------------------------------------------------
@@ -949,8 +1333,11 @@ class RedisIndex:
     def resolve(self, *, model: str, pod: str, engine_hashes: Sequence[int]) -> list[Digest | None]:
         if not engine_hashes:
             return []
-        _, engine, _ = _model_keys(self._namespace, model).pod_keys(encode_name(pod))
-        return self._client.hmget(engine, _hex_keys(engine_hashes))
+        mk = _model_keys(self._prefix, model)
+        p = encode_name(pod)
+        _, engine, hashes_of = mk.pod_keys(p)
+        args = [mk.block_prefix, p + b"@", *_words(engine_hashes)]
+        return self._run(self._scripts.resolve, [engine, hashes_of], args)
 
     @_unavailable_on_connection_error
     def lookup(
@@ -962,8 +1349,8 @@ class RedisIndex:
         wanted = pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
         if wanted is not None and not wanted:
             return []
-        names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
-        return _held_run(self._client.mget(names), wanted)
+        names = _block_names(_model_keys(self._prefix, model).block_prefix, keys)
+        return _held_run(self._client.mget(names), wanted, HEAD)
 
     @property
     def reads_async(self) -> bool:
@@ -987,12 +1374,12 @@ class RedisIndex:
             return await asyncio.get_running_loop().run_in_executor(
                 None, functools.partial(self.lookup, model=model, keys=keys, pods=wanted)
             )
-        names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
+        names = _block_names(_model_keys(self._prefix, model).block_prefix, keys)
         try:
             values = await reader.execute(b"MGET", *names)
         except (OSError, ConnectionError, TimeoutError, ReplyError) as exc:
             raise IndexUnavailable(f"the Redis index is unreachable: {exc}") from exc
-        return _held_run(values, wanted)
+        return _held_run(values, wanted, HEAD)
 
     def _reader(self) -> ReadConnection | None:
         if not self.reads_async:
@@ -1008,7 +1395,7 @@ class RedisIndex:
     @_unavailable_on_connection_error
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         """One ``MGET`` per query that can match, pipelined: one round trip for all of them."""
-        prefix = _model_keys(self._namespace, model).block_prefix
+        prefix = _model_keys(self._prefix, model).block_prefix
         wanted = [
             pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
             for _, pods in queries
@@ -1021,7 +1408,7 @@ class RedisIndex:
         for i in asked:
             pipe.mget(_block_names(prefix, queries[i][0]))
         for i, values in zip(asked, pipe.execute(), strict=True):
-            out[i] = _held_run(values, wanted[i])
+            out[i] = _held_run(values, wanted[i], HEAD)
         return out
 
     @_unavailable_on_connection_error
@@ -1029,8 +1416,8 @@ class RedisIndex:
         """Holders of every key (``{}`` where none): one ``MGET``."""
         if not keys:
             return []
-        names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
-        return _held_each(self._client.mget(names))
+        names = _block_names(_model_keys(self._prefix, model).block_prefix, keys)
+        return _held_each(self._client.mget(names), HEAD)
 
     async def aholders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
         """``holders`` for an event loop, as ``alookup`` reads."""
@@ -1041,12 +1428,12 @@ class RedisIndex:
             return await asyncio.get_running_loop().run_in_executor(
                 None, functools.partial(self.holders, model=model, keys=keys)
             )
-        names = _block_names(_model_keys(self._namespace, model).block_prefix, keys)
+        names = _block_names(_model_keys(self._prefix, model).block_prefix, keys)
         try:
             values = await reader.execute(b"MGET", *names)
         except (OSError, ConnectionError, TimeoutError, ReplyError) as exc:
             raise IndexUnavailable(f"the Redis index is unreachable: {exc}") from exc
-        return _held_each(values)
+        return _held_each(values, HEAD)
 
     @_unavailable_on_connection_error
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
@@ -1054,10 +1441,10 @@ class RedisIndex:
         points = speculation_points(len(keys))
         if not points or seconds <= 0:
             return
-        prefix = _model_keys(self._namespace, model).speculative_prefix
+        prefix = _model_keys(self._prefix, model).speculative_prefix
         names = _block_names(prefix, [keys[point] for point in points])
         now = int(time.time() * 1000)
-        self._run(_SPECULATE, names, [encode_name(pod), now, now + max(1, int(seconds * 1000))])
+        self._run(self._scripts.speculate, names, [encode_name(pod), now, now + max(1, int(seconds * 1000))])
 
     @_unavailable_on_connection_error
     def speculated(self, *, model: str, keys: Sequence[BlockKey]) -> dict[str, int]:
@@ -1065,7 +1452,7 @@ class RedisIndex:
         points = speculation_points(len(keys))
         if not points:
             return {}
-        prefix = _model_keys(self._namespace, model).speculative_prefix
+        prefix = _model_keys(self._prefix, model).speculative_prefix
         values = self._client.mget(_block_names(prefix, [keys[point] for point in points]))
         now = int(time.time() * 1000)
         holders: list[list[str]] = []
@@ -1085,8 +1472,8 @@ class RedisIndex:
         """Live block counts per (model, pod) with at least one block, sorted."""
         out: list[PodBlocks] = []
         for m in sorted(self._models()) if model is None else [model]:
-            mk = _model_keys(self._namespace, m)
-            flat = self._run(_POD_BLOCKS, [mk.pods], [mk.pod_prefix])
+            mk = _model_keys(self._prefix, m)
+            flat = self._run(self._scripts.pod_blocks, [mk.pods], [mk.pod_prefix])
             by_pod: dict[str, dict[Tier, int]] = {}
             for i in range(0, len(flat), 2):
                 count = int(flat[i + 1])
@@ -1098,12 +1485,12 @@ class RedisIndex:
 
     @_unavailable_on_connection_error
     def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
-        """``HGETALL`` of the ``seq`` hash of each model (every model in ``kv.2:models`` when
+        """``HGETALL`` of the ``seq`` hash of each model (every model in ``kv.3:models`` when
         ``None``), pipelined: one round trip."""
         models = sorted(self._models()) if model is None else [model]
         pipe = self._client.pipeline(transaction=False)
         for m in models:
-            pipe.hgetall(_model_keys(self._namespace, m).seq)
+            pipe.hgetall(_model_keys(self._prefix, m).seq)
         return {
             (m, decode_name(holder)): int(seq)
             for m, recorded in zip(models, pipe.execute(), strict=True)
@@ -1117,7 +1504,7 @@ class RedisIndex:
             return []
         pipe = self._client.pipeline(transaction=False)
         for m in models:
-            pipe.get(_model_keys(self._namespace, m).epoch)
+            pipe.get(_model_keys(self._prefix, m).epoch)
         return [None if value is None else value.decode() for value in pipe.execute()]
 
     def ping(self) -> None:
@@ -1139,41 +1526,37 @@ class RedisIndex:
     ) -> _Call:
         """The script, keys and arguments of a store of non-empty ``blocks``, ending with
         ``progress``."""
-        mk = _model_keys(self._namespace, model)
+        mk = _model_keys(self._prefix, model)
         p, t = encode_name(pod), encode_name(tier)
         tier_prefix, engine, hashes_of = mk.pod_keys(p)
         keys = [tier_prefix + t, engine, hashes_of, mk.pods]
-        hex_keys = _hex_keys([b.key for b in blocks])
-        block_prefix = mk.block_prefix
-        keys += [block_prefix + k for k in hex_keys]
-        engine_hashes = _hex_keys([b.engine_hash for b in blocks])
-        distinct = len(set(hex_keys)) == len(set(engine_hashes)) == len(blocks)
-        args: list[bytes | int] = [p + b"@" + t, p + b"@", b"1" if distinct else b"0", *hex_keys]
-        args += engine_hashes
-        args += [b.digest for b in blocks]
+        keys += _block_names(mk.block_prefix, [b.key for b in blocks])
+        args: list[bytes | int] = [p + b"@" + t, p + b"@", *_words([b.key for b in blocks])]
+        args += _words([b.engine_hash for b in blocks])
+        args += [_digest_head(b.digest) for b in blocks]
         args += progress
-        return _STORE, keys, args
+        return self._scripts.store, keys, args
 
     def _remove_call(
         self, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int], progress: _ProgressArgs
     ) -> _Call:
         """The script, keys and arguments of a remove of non-empty ``engine_hashes``, ending with
         ``progress``."""
-        mk = _model_keys(self._namespace, model)
+        mk = _model_keys(self._prefix, model)
         p, t = encode_name(pod), encode_name(tier)
         tier_prefix, engine, hashes_of = mk.pod_keys(p)
-        keys = [engine, hashes_of, mk.pods, tier_prefix + t]
-        args = [p + b"@" + t, mk.block_prefix, p + b"@", *_hex_keys(engine_hashes), *progress]
-        return _REMOVE, keys, args
+        keys = [engine, hashes_of, tier_prefix + t, mk.pods]
+        args = [p + b"@" + t, mk.block_prefix, p + b"@", *_words(engine_hashes), *progress]
+        return self._scripts.remove, keys, args
 
     def _clear_pod_call(self, model: str, pod: str, limit: int, progress: _ProgressArgs) -> _Call:
         """The script, keys and arguments of one call of a ``clear_pod`` under one model that
         removes at most ``limit`` entries, with ``progress`` recorded when it finishes the pod."""
-        mk = _model_keys(self._namespace, model)
+        mk = _model_keys(self._prefix, model)
         p = encode_name(pod)
         tier_prefix, engine, hashes_of = mk.pod_keys(p)
         args = [p + b"@", mk.block_prefix, tier_prefix, limit, *progress]
-        return _CLEAR_POD, [mk.pods, engine, hashes_of], args
+        return self._scripts.clear_pod, [mk.pods, engine, hashes_of], args
 
     def _run(self, script: _Script, keys: Sequence[bytes], args: Sequence[bytes | int]) -> Any:
         """Run ``script`` with ``EVALSHA``; if the server does not know it, load every script and
@@ -1189,7 +1572,7 @@ class RedisIndex:
         the one found missing) keeps a batch of ``apply_updates`` from finding some there and
         some not."""
         pipe = self._client.pipeline(transaction=False)
-        for script in _SCRIPTS:
+        for script in self._scripts:
             pipe.script_load(script.source)
         pipe.execute()
 

@@ -94,17 +94,24 @@ def assert_cluster_consistent(masters: list) -> None:
 
 
 def agrees_with_the_memory_index(
-    index, *, steps: int, check: Callable[[], None], check_every: int, filter_by_pod: bool = False
+    index,
+    *,
+    steps: int,
+    check: Callable[[], None],
+    check_every: int,
+    filter_by_pod: bool = False,
+    scale: int = 1,
 ) -> None:
     """Run the same random workload of stores, removes and clears on ``index`` and on an in-memory
     index (unbounded for it: nothing is evicted), each answer compared; ``check`` (the backend's
     own invariants) runs every ``check_every`` steps and at the end. Lookups are compared (also
-    restricted to the step's pod with ``filter_by_pod``), resolves and pod counts too."""
+    restricted to the step's pod with ``filter_by_pod``), resolves and pod counts too. ``scale``
+    multiplies the blocks and the size of each store and remove (pods of hundreds of blocks)."""
     rng = random.Random(11)
     oracle = MemoryIndex()
     # Two engines that hash differently, reusing engine hashes 77.. for different blocks.
-    blocks = chain(12) + chain(4, first_token=1000, engine_hash_offset=77)
-    blocks += chain(3, first_token=2000, engine_hash_offset=77)
+    blocks = chain(12 * scale) + chain(4 * scale, first_token=1000 * scale, engine_hash_offset=77)
+    blocks += chain(3 * scale, first_token=2000 * scale, engine_hash_offset=77)
     # Engine hashes that are another block's key: an implied link re-pointed to an explicit one.
     blocks += [
         StoredBlock(key=blocks[i + 3].key, engine_hash=blocks[i].key, digest=blocks[i + 3].digest)
@@ -116,11 +123,12 @@ def agrees_with_the_memory_index(
         action = rng.random()
         if action < 0.5:
             start = rng.randrange(len(blocks))
-            args = {"model": model, "pod": pod, "tier": tier, "blocks": blocks[start : start + 5]}
+            args = {"model": model, "pod": pod, "tier": tier, "blocks": blocks[start : start + 5 * scale]}
             index.store(**args)
             oracle.store(**args)
         elif action < 0.85:
-            args = {"model": model, "pod": pod, "tier": tier, "engine_hashes": hashes(rng.sample(blocks, 4))}
+            removed = hashes(rng.sample(blocks, 4 * scale))
+            args = {"model": model, "pod": pod, "tier": tier, "engine_hashes": removed}
             assert index.remove(**args) == oracle.remove(**args)
         elif action < 0.95:
             assert index.clear_pod(pod=pod, model=model) == oracle.clear_pod(pod=pod, model=model)

@@ -15,7 +15,6 @@ from redis.crc import key_slot
 from scoring.index import IndexUnavailable, MemoryIndex, PodBlocks, StoredBlock, open_index
 from scoring.index.base import ClearPod, Progress, Remove, Store
 from scoring.index.redis import _NO_PROGRESS, RedisIndex, decode_name, encode_name
-from scoring.keys import key_of
 from tests.index import MODEL, agrees_with_the_memory_index, chain, hashes, keys
 from tests.servers import RedisServer, free_port
 
@@ -39,44 +38,81 @@ def index(redis_url: str) -> Iterator[RedisIndex]:
     idx.close()
 
 
+@pytest.fixture(params=["fast", "compact"])
+def either(request: pytest.FixtureRequest, redis_url: str) -> Iterator[RedisIndex]:
+    """An index in each layout."""
+    idx = RedisIndex.from_url(f"{redis_url}?layout={request.param}", client_name="kv-index-under-test")
+    yield idx
+    idx.close()
+
+
 def hash_tag(key: bytes) -> bytes:
     """The part of a key Redis Cluster hashes: between the first ``{`` and the next ``}``."""
     start = key.index(b"{")
     return key[start + 1 : key.index(b"}", start + 1)]
 
 
+def bucket_of(member: bytes, m: int, s: int) -> int:
+    """The bucket of a compact reverse set's member in state ``(m, s)`` (linear hashing on its last
+    three bytes), as the scripts place it."""
+    x = int.from_bytes(member[-3:], "big")
+    return x % m if x % m >= s else x % (2 * m)
+
+
+def reverse_set(server: redis.Redis, name: bytes) -> set[bytes]:
+    """The members of a reverse set: a SET's, or a compact layout's blob buckets', checked on the
+    way (its state counts them, each sits once in the bucket the state names, no bucket is empty
+    or beyond the last)."""
+    if server.type(name) == b"set":
+        return server.smembers(name)
+    fields = server.hgetall(name)
+    m, s, n = map(int, fields.pop(b"#").split(b" "))
+    members = []
+    for index, blob in fields.items():
+        assert len(blob) > 0 and len(blob) % 8 == 0 and int(index) < m + s
+        for at in range(0, len(blob), 8):
+            members.append(blob[at : at + 8])
+            assert bucket_of(members[-1], m, s) == int(index)
+    assert 0 <= s < m and len(members) == len(set(members)) == n > 0
+    return set(members)
+
+
 def assert_consistent(server: redis.Redis) -> None:
-    """The invariants of the module docstring, read straight from the server."""
+    """The invariants of the module docstring, read straight from the server (either layout)."""
     blocks: set[tuple[bytes, bytes, bytes]] = set()  # (model tag, K, "P@T")
     reverse: set[tuple[bytes, bytes, bytes]] = set()
     listed: set[tuple[bytes, bytes]] = set()  # (model tag, "P@T") in the pods sets
     engine_maps: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}  # (model tag, P) -> map
     hashes_of: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}
-    for name in server.scan_iter(match=b"kv.2:{*"):
+    for name in server.scan_iter(match=b"kv.3*:{*"):
         tag = hash_tag(name)
-        kind = name[len(tag) + 8 :]  # after "kv.2:{" tag "}:"
-        if kind.startswith(b"b:"):
-            blocks |= {(tag, kind[2:], entry) for entry in server.get(name).split(b" ")}
-        elif kind == b"pods":
+        kind = name[name.index(b"{") + len(tag) + 2 :]  # after "kv.3:{" (or "kv.3c:{") tag "}"
+        if kind[:1] == b"b" and len(kind) == 9:  # a block: "b" and its key, 8 bytes
+            value = server.get(name)
+            assert len(value) > 24  # the head of its digest, then its entries
+            blocks |= {(tag, kind[1:], entry) for entry in value[24:].split(b" ")}
+        elif kind == b":pods":
             listed |= {(tag, entry) for entry in server.smembers(name)}
-        elif kind.endswith(b":e"):
-            engine_maps[tag, kind[2:-2]] = server.hgetall(name)
-        elif kind.endswith(b":k"):
-            hashes_of[tag, kind[2:-2]] = server.hgetall(name)
-        elif b":t:" in kind:
-            pod, tier = kind[2:].split(b":t:")
-            reverse |= {(tag, k, pod + b"@" + tier) for k in server.smembers(name)}
+        elif kind.startswith(b":p:"):
+            pod, _, rest = kind[3:].partition(b":")
+            if rest == b"e":
+                engine_maps[tag, pod] = server.hgetall(name)
+            elif rest == b"k":
+                hashes_of[tag, pod] = server.hgetall(name)
+            else:
+                assert rest.startswith(b"t:")
+                reverse |= {(tag, k, pod + b"@" + rest[2:]) for k in reverse_set(server, name)}
     assert blocks == reverse
     assert listed == {(tag, entry) for tag, _, entry in reverse}
-    assert hashes_of.keys() <= engine_maps.keys()
+    held = {(tag, entry.split(b"@")[0], k) for tag, k, entry in reverse}
+    for (tag, pod), links in hashes_of.items():
+        for key, words in links.items():
+            hashes = [words[at : at + 8] for at in range(0, len(words), 8)]
+            assert (tag, pod, key) in held and words != key and len(set(hashes)) == len(hashes)
+            assert all(engine_maps[tag, pod][h] == key for h in hashes if h != key)
     for (tag, pod), engine in engine_maps.items():
-        key_of_hash = {h: b"%016x" % key_of(digest) for h, digest in engine.items()}
-        linked = {h: k for k, hs in hashes_of.get((tag, pod), {}).items() for h in hs.split(b" ")}
-        assert all(h != k for h, k in linked.items())  # a link of a key to itself is implied
-        linked |= {h: k for h, k in key_of_hash.items() if h == k}
-        assert linked == key_of_hash
-        held = {k for t, k, entry in reverse if t == tag and entry.split(b"@")[0] == pod}
-        assert set(key_of_hash.values()) <= held
+        for h, key in engine.items():
+            assert h != key and h in hashes_of[tag, pod][key]
 
 
 # -- layout -------------------------------------------------------------------------------------
@@ -86,30 +122,36 @@ def test_keys_follow_the_documented_layout(index: RedisIndex, server: redis.Redi
     index.store(model="Qwen/Qwen3-0.6B", pod="10.0.0.1:8000", tier="gpu", blocks=[A])
 
     m, p = "Qwen%2FQwen3-0.6B", "10.0.0.1%3A8000"
-    k = f"{A.key:016x}"
+    key = A.key.to_bytes(8, "big")
+    block = f"kv.3:{{{m}}}b".encode() + key
     assert sorted(server.scan_iter()) == sorted(
-        name.encode()
-        for name in (
-            f"kv.2:{{{m}}}:b:{k}",
-            f"kv.2:{{{m}}}:p:{p}:t:gpu",
-            f"kv.2:{{{m}}}:p:{p}:e",
-            f"kv.2:{{{m}}}:pods",
-            "kv.2:models",
-        )
+        [block]
+        + [
+            name.encode()
+            for name in (
+                f"kv.3:{{{m}}}:p:{p}:t:gpu",
+                f"kv.3:{{{m}}}:pods",
+                "kv.3:models",
+            )
+        ]
     )
-    assert server.get(f"kv.2:{{{m}}}:b:{k}") == f"{p}@gpu".encode()
-    assert server.hgetall(f"kv.2:{{{m}}}:p:{p}:e") == {b"%016x" % A.engine_hash: A.digest}
-    assert server.smembers("kv.2:models") == {b"Qwen/Qwen3-0.6B"}  # A's engine hash is its key: no k
+    # The block: the head of its digest (the rest is its key), then its entries.
+    assert server.get(block) == A.digest[:24] + f"{p}@gpu".encode()
+    # The reverse set; A's engine hash is its key: an implied link, nothing stored.
+    assert server.smembers(f"kv.3:{{{m}}}:p:{p}:t:gpu") == {key}
+    assert server.smembers("kv.3:models") == {b"Qwen/Qwen3-0.6B"}
 
 
-def test_a_differing_engine_hash_is_linked_in_hex(index: RedisIndex, server: redis.Redis) -> None:
+def test_a_differing_engine_hash_is_linked(index: RedisIndex, server: redis.Redis) -> None:
     (block,) = chain(1, engine_hash_offset=7)
     index.store(model="m", pod="p", tier="gpu", blocks=[block])
 
-    assert server.hgetall("kv.2:{m}:p:p:e") == {b"0000000000000007": block.digest}
-    assert server.hgetall("kv.2:{m}:p:p:k") == {b"%016x" % block.key: b"0000000000000007"}
+    seven, key = (7).to_bytes(8, "big"), block.key.to_bytes(8, "big")
+    assert server.hgetall("kv.3:{m}:p:p:e") == {seven: key}
+    assert server.hgetall("kv.3:{m}:p:p:k") == {key: seven}
+    assert index.resolve(model="m", pod="p", engine_hashes=[7, block.key]) == [block.digest, None]
     index.remove(model="m", pod="p", tier="gpu", engine_hashes=[7])
-    assert sorted(server.scan_iter()) == [b"kv.2:models"]
+    assert sorted(server.scan_iter()) == [b"kv.3:models"]
 
 
 @pytest.mark.parametrize("model", ["Qwen/Qwen3-0.6B", "a}b{c", "{x}", "", "%"])
@@ -119,8 +161,8 @@ def test_every_key_of_a_model_is_in_one_cluster_slot(
     index.store(model=model, pod="pod{1}", tier="gpu", blocks=[A, B])
     index.store(model=model, pod="pod:2", tier="cpu", blocks=[A])
 
-    names = [name for name in server.scan_iter() if name != b"kv.2:models"]
-    assert len(names) == 7  # 2 blocks, 2 per pod (aligned: no key -> hashes map), the pods set
+    names = [name for name in server.scan_iter() if name != b"kv.3:models"]
+    assert len(names) == 5  # 2 blocks, a reverse set per pod (aligned: implied links), the pods set
     assert {hash_tag(name) for name in names} == {encode_name(model)}
     assert len({key_slot(name) for name in names}) == 1
 
@@ -131,9 +173,9 @@ def test_progress_and_the_epoch_marker_follow_the_documented_layout(
     index.apply_updates([Store("a}b", "pod:1", "gpu", [A]), Progress("a}b", "pod:1#dp1", 42)])
     index.set_epoch(model="a}b", value="token:ready")
 
-    assert server.hgetall("kv.2:{a%7Db}:seq") == {b"pod%3A1%23dp1": b"42"}
-    assert server.get("kv.2:{a%7Db}:epoch") == b"token:ready"
-    names = [name for name in server.scan_iter() if name != b"kv.2:models"]
+    assert server.hgetall("kv.3:{a%7Db}:seq") == {b"pod%3A1%23dp1": b"42"}
+    assert server.get("kv.3:{a%7Db}:epoch") == b"token:ready"
+    names = [name for name in server.scan_iter() if name != b"kv.3:models"]
     assert len({key_slot(name) for name in names}) == 1
 
 
@@ -246,7 +288,7 @@ def test_apply_updates_is_one_round_trip(
     assert server.info("commandstats")["cmdstat_evalsha"]["calls"] == 4
     assert index.lookup(model=MODEL, keys=[A.key, B.key]) == []
     assert index.lookup(model=MODEL, keys=[B.key]) == [{"pod1": GPU}]
-    assert server.smembers("kv.2:models") == {MODEL.encode(), b"other-model"}
+    assert server.smembers("kv.3:models") == {MODEL.encode(), b"other-model"}
 
 
 def test_apply_updates_loads_the_scripts_again_after_a_script_flush(
@@ -355,7 +397,7 @@ def test_a_progress_after_a_store_in_slices_rides_on_its_last_slice(
     sliced: RedisIndex, server: redis.Redis, round_trips: list[bytes]
 ) -> None:
     blocks = chain(10)
-    seq_hash = f"kv.2:{{{encode_name(MODEL).decode()}}}:seq".encode()
+    seq_hash = f"kv.3:{{{encode_name(MODEL).decode()}}}:seq".encode()
     warm_up(sliced, round_trips)
 
     assert sliced.apply_updates([Store(MODEL, "pod1", "gpu", blocks), Progress(MODEL, "pod1", 5)]) == [10, 0]
@@ -379,9 +421,16 @@ def test_a_progress_after_a_clear_is_written_by_the_call_that_empties_the_pod(
 
     stats = server.info("commandstats")
     assert stats["cmdstat_evalsha"]["calls"] == 3  # 4 + 4 + 2 entries
-    assert stats["cmdstat_hset"]["calls"] == 1  # the progress, once
     assert sliced.progress() == {(MODEL, "pod1"): 9}
     assert sliced.pod_blocks() == []
+
+    # Call by call: only the one that empties the pod records it.
+    sliced.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
+    progress = (f"kv.3:{{{encode_name(MODEL).decode()}}}:seq".encode(), b"pod1", 12)
+    for n, left in ((4, 1), (4, 1), (2, 0)):
+        assert sliced.progress() == {(MODEL, "pod1"): 9}
+        assert sliced._run(*sliced._clear_pod_call(MODEL, "pod1", 4, progress)) == [n, left]
+    assert sliced.progress() == {(MODEL, "pod1"): 12}
 
 
 def test_every_invariant_holds_between_the_calls_of_a_clear(sliced: RedisIndex, server: redis.Redis) -> None:
@@ -401,14 +450,17 @@ def test_every_invariant_holds_between_the_calls_of_a_clear(sliced: RedisIndex, 
     assert sliced.resolve(model=MODEL, pod="pod1", engine_hashes=hashes(blocks)) == [None] * 10
 
 
-def test_keys_of_the_previous_layout_are_never_read(index: RedisIndex, server: redis.Redis) -> None:
+@pytest.mark.parametrize("layout", ["kv", "kv.2"])
+def test_keys_of_the_previous_layouts_are_never_read(
+    index: RedisIndex, server: redis.Redis, layout: str
+) -> None:
     m = encode_name(MODEL).decode()
-    server.set(f"kv:{{{m}}}:b:{A.key:016x}", b"pod1@gpu")
-    server.sadd(f"kv:{{{m}}}:p:pod1:t:gpu", f"{A.key:016x}")
-    server.hset(f"kv:{{{m}}}:p:pod1:e", str(A.engine_hash), A.digest)
-    server.hset(f"kv:{{{m}}}:seq", "pod1", 7)
-    server.set(f"kv:{{{m}}}:epoch", b"token ready")
-    server.sadd("kv:models", MODEL)
+    server.set(f"{layout}:{{{m}}}:b:{A.key:016x}", b"pod1@gpu")
+    server.sadd(f"{layout}:{{{m}}}:p:pod1:t:gpu", f"{A.key:016x}")
+    server.hset(f"{layout}:{{{m}}}:p:pod1:e", str(A.engine_hash), A.digest)
+    server.hset(f"{layout}:{{{m}}}:seq", "pod1", 7)
+    server.set(f"{layout}:{{{m}}}:epoch", b"token ready")
+    server.sadd(f"{layout}:models", MODEL)
 
     assert index.lookup(model=MODEL, keys=[A.key]) == []
     assert index.resolve(model=MODEL, pod="pod1", engine_hashes=[A.engine_hash]) == [None]
@@ -440,7 +492,7 @@ def _inner_commands(server: redis.Redis) -> int:
 def test_a_store_or_remove_makes_the_same_few_commands_whatever_its_size(
     index: RedisIndex, server: redis.Redis, size: int
 ) -> None:
-    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])  # kv.2:models written, scripts loaded
+    index.store(model=MODEL, pod="pod1", tier="gpu", blocks=[A])  # kv.3:models written, scripts loaded
     blocks = chain(size, first_token=5000)
 
     server.config_resetstat()
@@ -455,8 +507,10 @@ def test_a_store_or_remove_makes_the_same_few_commands_whatever_its_size(
     assert index.remove(model=MODEL, pod="pod1", tier="gpu", engine_hashes=hashes(blocks)) == size
     remove_commands = _inner_commands(server)
 
-    # aligned blocks: no key -> hashes HSET; the remove reads the keys' own engine hashes (HMGET)
-    assert (store_commands, store_again_commands, remove_commands) == (6, 4, 9)
+    # A store: MGET, MSET, SADD (the reverse set, the pods set), EXISTS (aligned blocks, no links
+    # stored: every link implied, nothing to write); stored again, nothing changes. A remove:
+    # HMGET (engine map), MGET, HMGET (key -> hashes), DEL, SREM, EXISTS.
+    assert (store_commands, store_again_commands, remove_commands) == (5, 4, 6)
 
 
 # -- failures ---------------------------------------------------------------------------------------
@@ -504,14 +558,93 @@ def test_responses_must_stay_bytes(redis_url: str) -> None:
 # -- agreement with the in-memory index -------------------------------------------------------------
 
 
-def test_agrees_with_the_memory_index_on_a_random_workload(index: RedisIndex, server: redis.Redis) -> None:
+def test_agrees_with_the_memory_index_on_a_random_workload(either: RedisIndex, server: redis.Redis) -> None:
     agrees_with_the_memory_index(
-        index,
+        either,
         steps=300,
         check=lambda: assert_consistent(server),
         check_every=10,
         filter_by_pod=True,
     )
+
+
+def test_agrees_with_the_memory_index_with_pods_of_many_blocks(
+    either: RedisIndex, server: redis.Redis
+) -> None:
+    agrees_with_the_memory_index(
+        either, steps=120, check=lambda: assert_consistent(server), check_every=10, scale=40
+    )
+
+
+@pytest.mark.parametrize("offset", [None, 10**6], ids=["aligned", "misaligned"])
+def test_an_aligned_pod_writes_no_links_and_a_misaligned_one_writes_them_all(
+    index: RedisIndex, server: redis.Redis, offset: int | None
+) -> None:
+    blocks = chain(3000, engine_hash_offset=offset)
+    index.store(model="m", pod="pod1", tier="gpu", blocks=blocks)  # in two slices
+    index.store(model="m", pod="pod1", tier="cpu", blocks=blocks[:500])
+
+    assert_consistent(server)
+    links = server.hlen("kv.3:{m}:p:pod1:e"), server.hlen("kv.3:{m}:p:pod1:k")
+    assert links == ((0, 0) if offset is None else (3000, 3000))
+    assert index.resolve(model="m", pod="pod1", engine_hashes=hashes(blocks)) == [b.digest for b in blocks]
+    both = frozenset({"gpu", "cpu"})
+    assert index.lookup(model="m", keys=keys(blocks)) == [{"pod1": both}] * 500 + [{"pod1": GPU}] * 2500
+
+    assert index.remove(model="m", pod="pod1", tier="gpu", engine_hashes=hashes(blocks[100:])) == 2900
+    assert_consistent(server)
+    assert index.pod_blocks() == [PodBlocks("m", "pod1", {"gpu": 100, "cpu": 500})]
+    resolved = index.resolve(model="m", pod="pod1", engine_hashes=hashes(blocks))
+    assert resolved == [b.digest for b in blocks[:500]] + [None] * 2500
+    assert server.hlen("kv.3:{m}:p:pod1:e") == (0 if offset is None else 500)
+
+    assert index.clear_pod(pod="pod1") == 600
+    assert list(server.scan_iter()) == [b"kv.3:models"]
+
+
+def test_the_compact_layout_keeps_reverse_sets_in_blob_buckets_that_split_and_merge(
+    redis_url: str, server: redis.Redis
+) -> None:
+    index = RedisIndex.from_url(redis_url, layout="compact")
+    blocks = chain(3000)
+    index.store(model="m", pod="pod1", tier="gpu", blocks=blocks)  # in two slices
+    index.store(model="m", pod="pod1", tier="cpu", blocks=blocks[:500])
+
+    assert_consistent(server)
+    assert sorted(n for n in server.scan_iter() if b"}b" not in n) == [
+        b"kv.3c:models",
+        b"kv.3c:{m}:p:pod1:t:cpu",
+        b"kv.3c:{m}:p:pod1:t:gpu",
+        b"kv.3c:{m}:pods",
+    ]
+    gpu = server.hgetall("kv.3c:{m}:p:pod1:t:gpu")
+    m, s, n = map(int, gpu[b"#"].split())
+    assert (n, m + s) == (3000, -(-3000 // 32)) and len(gpu) == m + s + 1  # split at 32 a bucket
+    assert reverse_set(server, b"kv.3c:{m}:p:pod1:t:gpu") == {b.key.to_bytes(8, "big") for b in blocks}
+    both = frozenset({"gpu", "cpu"})
+    assert index.lookup(model="m", keys=keys(blocks)) == [{"pod1": both}] * 500 + [{"pod1": GPU}] * 2500
+
+    assert index.remove(model="m", pod="pod1", tier="gpu", engine_hashes=hashes(blocks[100:])) == 2900
+    assert_consistent(server)
+    m, s, n = map(int, server.hget("kv.3c:{m}:p:pod1:t:gpu", "#").split())
+    assert n == 100 and m + s <= 100 // 8  # merged back: 8 a bucket at least
+    assert index.pod_blocks() == [PodBlocks("m", "pod1", {"gpu": 100, "cpu": 500})]
+
+    assert index.clear_pod(pod="pod1") == 600
+    assert list(server.scan_iter()) == [b"kv.3c:models"]
+    index.close()
+
+
+def test_the_two_layouts_never_read_each_other(redis_url: str) -> None:
+    fast = RedisIndex.from_url(redis_url)
+    compact = RedisIndex.from_url(redis_url + "?layout=compact")
+    fast.store(model="m", pod="pod1", tier="gpu", blocks=[A, B])
+    fast.set_epoch(model="m", value="token")
+
+    assert compact.lookup(model="m", keys=[A.key]) == [] and compact.epochs(["m"]) == [None]
+    assert fast.lookup(model="m", keys=[A.key, B.key]) == [{"pod1": GPU}] * 2
+    with pytest.raises(ValueError, match="unknown index layout 'tiny'"):
+        RedisIndex.from_url(redis_url + "?layout=tiny")
 
 
 def test_a_store_naming_a_block_or_engine_hash_twice_agrees_with_the_memory_index(
@@ -578,8 +711,8 @@ def test_speculative_entries_follow_the_documented_layout_and_expire_on_the_serv
     index.speculate(model="a}b", pod="pod:1", keys=keys(blocks), seconds=5)
     index.speculate(model="a}b", pod="pod2", keys=keys(blocks), seconds=2)
 
-    name = f"kv.2:{{a%7Db}}:s:{blocks[7].key:016x}"
-    assert [name.encode()] == [n for n in server.scan_iter() if n != b"kv.2:models"]
+    name = b"kv.3:{a%7Db}:s:" + blocks[7].key.to_bytes(8, "big")
+    assert [name] == [n for n in server.scan_iter() if n != b"kv.3:models"]
     entries = dict(e.split(b"=") for e in server.get(name).split())
     assert set(entries) == {b"pod%3A1", b"pod2"}
     assert int(entries[b"pod%3A1"]) - int(entries[b"pod2"]) == pytest.approx(3000, abs=500)

@@ -246,10 +246,11 @@ def test_the_in_memory_index_is_refused(tmp_path, redis_url):
     assert last_line.startswith("CommandError: --processes > 1 needs a Redis index"), done.stderr
 
 
+@pytest.mark.parametrize("layout", ["fast", "compact"])
 def test_the_command_runs_two_processes_and_exits_0_on_sigterm_to_its_group(
-    tmp_path, redis_url, base_capture
+    tmp_path, redis_url, base_capture, layout
 ):
-    env = service_env(tmp_path, redis_url)
+    env = service_env(tmp_path, redis_url, KVCACHE_INDEX_LAYOUT=layout)
     subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
     port = free_port()
     proc = subprocess.Popen(
@@ -269,7 +270,7 @@ def test_the_command_runs_two_processes_and_exits_0_on_sigterm_to_its_group(
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.connect(f"tcp://127.0.0.1:{port}")
-    index = open_index(redis_url)
+    index = open_index(redis_url, layout=layout)  # the workers write in it
     client = redis.Redis.from_url(redis_url)
     payload = encode_batch([stored(base_capture)], ts=time.time())
     seqs = {"pod-a": 0, "pod-b": 0, "pod-c": 0}

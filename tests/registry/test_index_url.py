@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scoring.runtime import index_url
+from scoring.runtime import index_options, index_url
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,21 @@ def test_the_backend_setting_names_the_index(settings, backend, expected):
     settings.REDIS_URL = "redis://example:6379/3"
     settings.KVCACHE_INDEX_BACKEND = backend
     assert index_url() == expected
+
+
+@pytest.mark.parametrize("layout", ["fast", "compact"])
+def test_the_one_server_index_takes_its_layout_from_the_setting(settings, layout):
+    settings.KVCACHE_INDEX_BACKEND, settings.KVCACHE_INDEX_LAYOUT = "redis", layout
+    assert index_options() == {"layout": layout}
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis-cluster://10.0.0.1:6379"])
+def test_the_compact_layout_is_the_one_server_index_s_only(settings, backend):
+    settings.KVCACHE_INDEX_BACKEND, settings.KVCACHE_INDEX_LAYOUT = backend, "fast"
+    assert index_options() == {}
+    settings.KVCACHE_INDEX_LAYOUT = "compact"
+    with pytest.raises(ValueError, match="for KVCACHE_INDEX_BACKEND=redis only"):
+        index_options()
 
 
 def test_an_unknown_backend_is_refused_with_the_choices(settings):

@@ -35,7 +35,15 @@ from ingest.stats import IngestStats, IngestStatsCollector
 from scoring.index import KVIndex, open_index
 from scoring.index.base import IndexUnavailable
 from scoring.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
-from scoring.runtime import connect_index, get_index, index_is_shared, index_url, service_config, set_index
+from scoring.runtime import (
+    connect_index,
+    get_index,
+    index_is_shared,
+    index_options,
+    index_url,
+    service_config,
+    set_index,
+)
 from scoring.services import expire_pods, record_learned_groups, record_pods_seen, set_pod_health
 from scoring.streams import (
     instance_id,
@@ -197,7 +205,9 @@ def worker_index_factory() -> Callable[[], KVIndex]:
     """How an ``ingest --processes N`` worker process opens the index, without Django: what
     ``connect_index`` does here, as a picklable call."""
     timeout = settings.KVCACHE_INGEST_INDEX_TIMEOUT
-    return functools.partial(open_index, index_url(), socket_timeout=timeout, socket_connect_timeout=timeout)
+    return functools.partial(
+        open_index, index_url(), socket_timeout=timeout, socket_connect_timeout=timeout, **index_options()
+    )
 
 
 def check_replica_options(options: dict) -> None:
