@@ -444,20 +444,9 @@ local function store(at)
       linked[key] = without(cur, h)
     end
   end
-  local set, gone = {}, {}
-  for j, key in ipairs(touched) do
-    local value = linked[key]
-    if value ~= was[j] then
-      if value then
-        set[#set + 1] = key
-        set[#set + 1] = value
-      else
-        gone[#gone + 1] = key
-      end
-    end
-  end
-  call_many('HSET', hashes_of, set)
-  call_many('HDEL', hashes_of, gone)
+  local before = {}
+  for j, key in ipairs(touched) do before[key] = was[j] end
+  write_fields(hashes_of, linked, before)
   return n, next_at
 end
 

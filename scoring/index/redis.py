@@ -324,6 +324,23 @@ end
 local function call_many(command, key, list)
   return call_range(command, key, list, 1, #list)
 end
+-- Write back the fields of hash key whose value in now differs from was (field -> value, false:
+-- the field goes).
+local function write_fields(key, now, was)
+  local set, gone = {}, {}
+  for f, value in pairs(now) do
+    if value ~= was[f] then
+      if value then
+        set[#set + 1] = f
+        set[#set + 1] = value
+      else
+        gone[#gone + 1] = f
+      end
+    end
+  end
+  call_many('HSET', key, set)
+  call_many('HDEL', key, gone)
+end
 -- Write back the blocks whose value changed: names[i] was before[i] (false: absent) and is now
 -- after[names[i]] (false: no entry left, the block goes).
 local function save_blocks(names, before, after)
@@ -458,32 +475,8 @@ local function links_forget(lk, x)
   return list
 end
 local function links_write(lk)
-  local set, gone = {}, {}
-  for h, key in pairs(lk.E) do
-    if key ~= lk.E0[h] then
-      if key then
-        set[#set + 1] = h
-        set[#set + 1] = key
-      else
-        gone[#gone + 1] = h
-      end
-    end
-  end
-  call_many('HSET', lk.engine, set)
-  call_many('HDEL', lk.engine, gone)
-  set, gone = {}, {}
-  for x, list in pairs(lk.L) do
-    if list ~= lk.L0[x] then
-      if list then
-        set[#set + 1] = x
-        set[#set + 1] = list
-      else
-        gone[#gone + 1] = x
-      end
-    end
-  end
-  call_many('HSET', lk.hashes_of, set)
-  call_many('HDEL', lk.hashes_of, gone)
+  write_fields(lk.engine, lk.E, lk.E0)
+  write_fields(lk.hashes_of, lk.L, lk.L0)
 end
 """
 
