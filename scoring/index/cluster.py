@@ -304,6 +304,33 @@ def _pod_keys(namespace: str, model: str, pod: str) -> _PodKeys:
 
 # -- scripts ---------------------------------------------------------------------------------------
 
+# Lua of this layout beside ``redis``'s helpers: its keys and engine hashes are hex, and its engine
+# map holds digests.
+_LUA_HEX = """
+-- The hex of the last 8 bytes of digest, as two 32-bit halves (Lua numbers are doubles).
+local function hex_key(digest)
+  local a, b, c, d, e, f, g, h = string.byte(digest, -8, -1)
+  return string.format('%08x%08x', ((a * 256 + b) * 256 + c) * 256 + d, ((e * 256 + f) * 256 + g) * 256 + h)
+end
+-- The engine hashes that go with keys the pod holds on no tier any more: the words of their
+-- key -> hashes entries (linked[i] for keys[i], false: none), and each key that is itself an
+-- engine hash pointing at it (an implied link, never written in the key -> hashes map).
+local function hashes_of_keys(engine, keys, linked)
+  local gone = {}
+  if #keys == 0 then return gone end
+  for i = 1, #keys do
+    if linked[i] then
+      for h in string.gmatch(linked[i], '%S+') do gone[#gone + 1] = h end
+    end
+  end
+  local own = call_many('HMGET', engine, keys)
+  for i, key in ipairs(keys) do
+    if own[i] and hex_key(own[i]) == key then gone[#gone + 1] = key end
+  end
+  return gone
+end
+"""
+
 # KEYS: the holder's lease, reverse set, tier counts, engine map, key -> hashes map, dirty set
 # (every key a script of a holder touches is declared, so that a slot half way through a
 # migration is refused with TRYAGAIN before the script starts, never part way).
@@ -317,6 +344,7 @@ def _pod_keys(namespace: str, model: str, pod: str) -> _PodKeys:
 _POD_APPLY = _Script(
     "#!lua\n"
     + _LUA_HELPERS
+    + _LUA_HEX
     + """
 local lease, reverse, tier_counts = KEYS[1], KEYS[2], KEYS[3]
 local engine, hashes_of, dirty = KEYS[4], KEYS[5], KEYS[6]

@@ -252,10 +252,9 @@ _ProgressArgs = tuple[bytes, bytes, bytes | int]
 _NO_PROGRESS: _ProgressArgs = (b"", b"", b"")
 
 
-# Shared Lua helpers. Block values and key -> engine hashes values are lists of words separated
-# by single spaces (encoded names and hex hashes never contain one). A block key K is the hex of
-# the last 8 bytes of a digest; an engine hash is hex too (Lua numbers cannot hold 64 bits), so
-# "h is K" is a string comparison.
+# Lua helpers shared with ``cluster``. Block entries are words separated by single spaces
+# (encoded names never contain one). Keys and engine hashes are strings (8 bytes here, hex in the
+# cluster's layout): Lua numbers cannot hold 64 bits, so "h is K" is a string comparison.
 #
 # The store and remove scripts make a fixed number of commands per call (clear_pod: per 1000
 # keys), not several per block: they read what the call touches with one variadic command per
@@ -263,11 +262,6 @@ _NO_PROGRESS: _ProgressArgs = (b"", b"", b"")
 # back what changed with one variadic command per kind of change (MSET, DEL, HSET, HDEL, SADD,
 # SREM).
 _LUA_HELPERS = """
--- The hex of the last 8 bytes of digest, as two 32-bit halves (Lua numbers are doubles).
-local function hex_key(digest)
-  local a, b, c, d, e, f, g, h = string.byte(digest, -8, -1)
-  return string.format('%08x%08x', ((a * 256 + b) * 256 + c) * 256 + d, ((e * 256 + f) * 256 + g) * 256 + h)
-end
 -- Where word is, as a whole word, in list (nil: it is not); allocates no string.
 local function find_word(list, word)
   local from, last = 1, #list
@@ -358,23 +352,6 @@ local function save_blocks(names, before, after)
   end
   call_many('MSET', nil, set)
   call_many('DEL', nil, gone)
-end
--- The engine hashes that go with keys the pod holds on no tier any more: the words of their
--- key -> hashes entries (linked[i] for keys[i], false: none), and each key that is itself an
--- engine hash pointing at it (an implied link, never written in the key -> hashes map).
-local function hashes_of_keys(engine, keys, linked)
-  local gone = {}
-  if #keys == 0 then return gone end
-  for i = 1, #keys do
-    if linked[i] then
-      for h in string.gmatch(linked[i], '%S+') do gone[#gone + 1] = h end
-    end
-  end
-  local own = call_many('HMGET', engine, keys)
-  for i, key in ipairs(keys) do
-    if own[i] and hex_key(own[i]) == key then gone[#gone + 1] = key end
-  end
-  return gone
 end
 -- The last three arguments of a write script: the seq hash, the encoded holder and the seq of the
 -- Progress that this call ends (all '' when none). Written as the call's last command, so
