@@ -318,8 +318,8 @@ end
 local function call_many(command, key, list)
   return call_range(command, key, list, 1, #list)
 end
--- Write back the fields of hash key whose value in now differs from was (field -> value, false:
--- the field goes).
+-- Write back what changed: now[f] (false: f goes) where it differs from was[f]; f a field of hash
+-- key, or (key nil) a key of its own.
 local function write_fields(key, now, was)
   local set, gone = {}, {}
   for f, value in pairs(now) do
@@ -332,26 +332,20 @@ local function write_fields(key, now, was)
       end
     end
   end
-  call_many('HSET', key, set)
-  call_many('HDEL', key, gone)
+  if key then
+    call_many('HSET', key, set)
+    call_many('HDEL', key, gone)
+  else
+    call_many('MSET', nil, set)
+    call_many('DEL', nil, gone)
+  end
 end
 -- Write back the blocks whose value changed: names[i] was before[i] (false: absent) and is now
 -- after[names[i]] (false: no entry left, the block goes).
 local function save_blocks(names, before, after)
-  local set, gone = {}, {}
-  for i, name in ipairs(names) do
-    local value = after[name]
-    if value ~= before[i] then
-      if value then
-        set[#set + 1] = name
-        set[#set + 1] = value
-      else
-        gone[#gone + 1] = name
-      end
-    end
-  end
-  call_many('MSET', nil, set)
-  call_many('DEL', nil, gone)
+  local was = {}
+  for i, name in ipairs(names) do was[name] = before[i] end
+  write_fields(nil, after, was)
 end
 -- The last three arguments of a write script: the seq hash, the encoded holder and the seq of the
 -- Progress that this call ends (all '' when none). Written as the call's last command, so
