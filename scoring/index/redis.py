@@ -1140,7 +1140,6 @@ class RedisIndex:
             raise ValueError("slice_blocks must be at least 1")
         self.slice_blocks = slice_blocks
         self._client = client
-        self._namespace = namespace
         self._prefix = namespace.encode() + (COMPACT_LAYOUT if compact else LAYOUT)
         self._models_key = self._prefix + b":models"
         self._scripts = _COMPACT_SCRIPTS if compact else _FAST_SCRIPTS
