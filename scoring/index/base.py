@@ -194,7 +194,7 @@ class KVIndex(Protocol):
 
     def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
         """``(model, holder) -> seq`` of the last ``Progress`` applied, under ``model`` or every
-        model (Redis: every model in ``kv.2:models``). ``clear_pod`` and ``clear_model`` leave it:
+        model (Redis: every model in its ``models`` set). ``clear_pod`` and ``clear_model`` leave it:
         it records what was applied, not what is held."""
 
     def epochs(self, models: Sequence[str]) -> list[str | None]:

@@ -126,6 +126,7 @@ import asyncio
 import contextlib
 import functools
 import secrets
+import struct
 import threading
 import time
 import weakref
@@ -169,7 +170,6 @@ from scoring.index.redis import (
     DEFAULT_SLICE_BLOCKS,
     _held_each,
     _held_run,
-    _hex_keys,
     _Script,
     decode_name,
     encode_name,
@@ -228,6 +228,14 @@ def _pack(conn: Any, commands: list[tuple]) -> list[bytes]:
     ):
         return [b"".join(map(_hiredis_pack, commands))]
     return conn.pack_commands(commands)
+
+
+def _hex_keys(values: Sequence[int]) -> list[bytes]:
+    """Each block key or engine hash as 16 lower-case hex digits, done in C (``struct.error``
+    outside 0..2**64-1)."""
+    if not values:
+        return []
+    return struct.pack(f">{len(values)}Q", *values).hex(" ", 8).encode().split(b" ")
 
 
 @functools.lru_cache(maxsize=SLOTS)

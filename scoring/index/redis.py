@@ -1003,14 +1003,6 @@ def _held_each(values: Sequence[bytes | None], head: int = 0) -> list[HolderMap]
     return out
 
 
-def _hex_keys(values: Sequence[int]) -> list[bytes]:
-    """Each block key or engine hash as 16 lower-case hex digits, done in C (``struct.error``
-    outside 0..2**64-1)."""
-    if not values:
-        return []
-    return struct.pack(f">{len(values)}Q", *values).hex(" ", 8).encode().split(b" ")
-
-
 _PACK_WORD = struct.Struct(">Q").pack
 
 
