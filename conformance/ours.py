@@ -37,18 +37,26 @@ INGEST_SECOND_CATCH_UP_SECONDS = 2.0
 """``ingest.pipeline.SUBSCRIBED_SECONDS`` (this venv does not import our code)."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range (32768 up): the suite hands its ports
-    out before the publishers bind them, and an outgoing connection (ours, or another test run's
-    on this machine) takes its local port from that range, so one from there could be gone."""
+    """A port free now, below the kernel's ephemeral range (32768 up), never one handed out before
+    in this process: the suite hands its ports out (a stack's and its ~20 pods' at once) before
+    they are bound, so a port free now may be handed out again until then; and an outgoing
+    connection (ours, or another test run's on this machine) takes its local port from the
+    ephemeral range, so one from there could be gone."""
     while True:
         port = random.randrange(20_000, 32_000)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
 
 
 def wait_until(condition: Callable[[], object], *, timeout: float, what: str) -> object:
