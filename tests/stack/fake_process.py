@@ -24,7 +24,11 @@ def main() -> None:
     state = Path(os.environ["STATE"])
 
     def mark(what: str) -> None:
-        (state / f"{args.name}.{what}").write_text(repr(time.monotonic()))
+        """Whole or not at all: a test polling for the file never reads it half written."""
+        path = state / f"{args.name}.{what}"
+        part = path.with_suffix(path.suffix + ".part")
+        part.write_text(repr(time.monotonic()))
+        part.replace(path)
 
     def on_term(_signum: int, _frame: object) -> None:
         mark("term")
