@@ -385,20 +385,19 @@ end
 local function links_new(engine, hashes_of)
   return {engine = engine, hashes_of = hashes_of, E = {}, L = {}, E0 = {}, L0 = {}, held = {}}
 end
+-- The words of list not read into t yet, each marked read (false until its value lands).
+local function unread(t, list)
+  local want = {}
+  for _, w in ipairs(list) do
+    if t[w] == nil then
+      t[w] = false
+      want[#want + 1] = w
+    end
+  end
+  return want
+end
 local function links_read(lk, hashes, keys)
-  local e_want, l_want = {}, {}
-  for _, h in ipairs(hashes) do
-    if lk.E[h] == nil then
-      lk.E[h] = false
-      e_want[#e_want + 1] = h
-    end
-  end
-  for _, x in ipairs(keys) do
-    if lk.L[x] == nil then
-      lk.L[x] = false
-      l_want[#l_want + 1] = x
-    end
-  end
+  local e_want, l_want = unread(lk.E, hashes), unread(lk.L, keys)
   local got = call_many('HMGET', lk.engine, e_want)
   for j, h in ipairs(e_want) do lk.E[h], lk.E0[h] = got[j] or false, got[j] or false end
   got = call_many('HMGET', lk.hashes_of, l_want)
