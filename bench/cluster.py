@@ -372,7 +372,7 @@ def memory_bench(backends: dict[str, Servers], blocks: int, *, aligned: bool = T
         parts = memory_parts(servers, blocks)
         index.store(model=MODEL, pod="pod-001", tier="gpu", blocks=chain)
         second = servers.snapshot()["memory"]
-        counts = servers.key_counts(b"kv.2:bench%2Fmodel:b:{*") if servers.kind == "cluster" else []
+        counts = servers.key_counts(b"kv.3:bench%2Fmodel:b:{*") if servers.kind == "cluster" else []
         index.close()
         rows.append(
             {

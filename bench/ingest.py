@@ -254,7 +254,7 @@ def run_case(url: str, workers: int, processes: int, args, streams, servers: Ser
     pub.close(0)
     ctx.term()
     if servers and servers.kind == "cluster":
-        counts = servers.key_counts(b"kv.2:bench%2Fmodel:b:{*")
+        counts = servers.key_counts(b"kv.3:bench%2Fmodel:b:{*")
         costs |= {"block_keys_per_master": counts, "balance_pct": round(balance(counts), 1)}
     return {
         "workers": workers,

@@ -1,38 +1,43 @@
 """Valkey / Redis Cluster index: one model's blocks spread over every master, each pod's own
 structures in one slot, written in phases that keep the index consistent between them.
 
-Key layout (``kv`` is the ``namespace`` option, ``.2`` the version of the layout, as in
+Key layout (``kv`` is the ``namespace`` option, ``.3`` the version of the layout, as in
 ``redis``; ``M``, ``P``, ``T`` are the model, the holder (a pod or ``pod#dp<r>``) and the tier,
-percent-encoded by ``encode_name``; ``K`` is a block key and ``h`` an engine hash, each as 16
-lower-case hex digits; the hash tag is between the braces)::
+percent-encoded by ``encode_name``; ``K`` is a block key and ``h`` an engine hash, each as 8
+bytes, and ``B`` is K as a hash tag: 11 base64url characters, ``_tags``; the hash tag is between
+the braces)::
 
-    kv.2:M:b:{K}      STRING "P@T P@T ..."    the (pod, tier) entries of one block key
-    kv.2:M:s:{K}      STRING "P=U P=U ..."    speculative entries (as in ``redis``), expiring
-    kv.2:{M@P}:r      SET    "T K" ...        reverse index: every (tier, key) P holds
-    kv.2:{M@P}:n      HASH   T -> count       entries of r per tier (only tiers with some)
-    kv.2:{M@P}:e      HASH   h -> digest      P's engine hashes
-    kv.2:{M@P}:k      HASH   K -> "h h ..."   the engine hashes of P pointing at K, other than K
-                                              itself (implied links, as in ``redis``)
-    kv.2:{M@P}:d      SET    "T K" ...        dirty: entries whose block may not match r yet
-    kv.2:{M@P}:lease  STRING writer token     the writer in the middle of a phase (expires)
-    kv.2:{M@P}:seq    STRING seq              progress: the last event seq applied for P
-    kv.2:{M}:pods     SET    P ...            every holder written under M (a superset)
-    kv.2:{M}:epoch    STRING "G marker"       the model's epoch marker, in generation G
-    kv.2:M:epoch:{S}  STRING G                a witness of generation G on every master
-    kv.2:models       SET    model names      models written through any client (a superset)
+    kv.3:M:b:{B}      STRING D "P@T P@T ..."  block K: the head D of its digest (24 bytes, as in
+                                              ``redis``), then its (pod, tier) entries
+    kv.3:M:s:{B}      STRING "P=U P=U ..."    speculative entries (as in ``redis``), expiring
+    kv.3:{M@P}:r      SET    "T K" ...        reverse index: every (tier, key) P holds
+    kv.3:{M@P}:n      HASH   T -> count       entries of r per tier (only tiers with some)
+    kv.3:{M@P}:e      HASH   h -> K           P's engine hashes that are not their key
+    kv.3:{M@P}:k      HASH   K -> "hh..."     the engine hashes of P pointing at K, when not just
+                                              K itself (implied links, as in ``redis``)
+    kv.3:{M@P}:d      SET    "T K" ...        dirty: entries whose block may not match r yet
+    kv.3:{M@P}:lease  STRING writer token     the writer in the middle of a phase (expires)
+    kv.3:{M@P}:seq    STRING seq              progress: the last event seq applied for P
+    kv.3:{M}:pods     SET    P ...            every holder written under M (a superset)
+    kv.3:{M}:epoch    STRING "G marker"       the model's epoch marker, in generation G
+    kv.3:M:epoch:{S}  STRING G                a witness of generation G on every master
+    kv.3:models       SET    model names      models written through any client (a superset)
 
-The previous layout (``kv:M:b:{K}``, ``kv:{M@P}:...``, ``kv:{M}:...``, ``kv:M:epoch:{S}``,
-``kv:models``) is never read: ingest finds no witnessed epoch marker under ``kv.2`` and rebuilds
-the index from the engines. Its keys waste memory until removed, on every master: ``redis-cli
--p PORT --scan --pattern PATTERN | xargs -r -n 500 redis-cli -p PORT unlink`` for the patterns
-``'kv:{*'``, ``'kv:*:b:{*'``, ``'kv:*:epoch:{*'`` (``kv:*:s:{*`` expire), then ``unlink
-kv:models`` where it lives (``kv:ingest:*``, ``kv:web:*``, ``kv:history:*``, ``kv:auth:*`` are not
-the index's; ``kv.2`` keys match none of these patterns).
+Against the layout before (``kv.2``: hex keys, a digest per engine hash in ``e``), a holder
+whose engine hashes are its keys (an engine hashing as we do) has no engine map at all, and a
+block's digest is stored once, in the block, not once per holder: 22% fewer bytes per entry for
+a first holder, half for a further one (``docs/performance.md``). Older layouts (``kv.2:...``,
+``kv:...``) are never read: ingest finds no witnessed epoch marker under ``kv.3`` and rebuilds
+the index from the engines. Their keys waste memory until removed, on every master:
+``redis-cli -p PORT --scan --pattern PATTERN | xargs -r -n 500 redis-cli -p PORT unlink`` for the
+patterns ``'kv.2:*'``, ``'kv:{*'``, ``'kv:*:b:{*'``, ``'kv:*:epoch:{*'`` (``kv:*:s:{*`` expire),
+then ``unlink kv:models`` where it lives (``kv:ingest:*``, ``kv:web:*``, ``kv:history:*``,
+``kv:auth:*`` are not the index's; ``kv.3`` keys match none of these patterns).
 
 Why this layout (against ``redis``'s, where every key of a model carries ``{M}``, so that a
 whole model lives in one slot of one node):
 
-* Spread: a block's slot is the CRC16 of its key's hex digits. Block keys are uniform 64-bit
+* Spread: a block's slot is the CRC16 of its key's tag. Block keys are uniform 64-bit
   hashes, so one model's blocks spread evenly over every slot, so over every master in
   proportion to the slots it serves (``tests/index/test_cluster.py`` measures +-15% for 3000).
 * Together: everything of one holder under one model (reverse set, engine-hash maps, dirty set,
@@ -72,8 +77,14 @@ Consistency, at every instant (so whatever a reader or a crash sees):
   ``LEASE_SECONDS``); the next writer of that holder takes it over and reconciles those entries
   in its own block round, so a crash leaves no orphan either.
 * The engine-hash maps keep ``redis``'s invariants (an engine hash of P points at a key P holds
-  on some tier; ``k`` with the implied links is the inverse of ``e``), and ``n`` counts ``r`` by
-  tier: they live in the holder's slot and change only in its scripts.
+  on some tier; ``k`` with the implied links is the inverse of ``e``; "P holds K" is read from
+  ``r``), and ``n`` counts ``r`` by tier: they live in the holder's slot and change only in its
+  scripts. A block's digest head is written by the block round with its first entry (all zero
+  where the writer does not know it: a dirty entry taken over from a writer that stopped), and
+  a head all zero takes the first real one a later store brings.
+* ``resolve`` is two rounds: the holder's script answers the key each engine hash points at,
+  then those blocks' heads are read from their masters; a key whose block is not written yet
+  (a phase under way) resolves to nothing, as an unknown hash does.
 * Writers of one holder never interleave phases: the lease serialises them (ingest writes a pod
   from one thread, but the web process clears pods and models). A lease is held per thread of a
   client, so a writer retrying after an error takes its own phase over. Only a phase that
@@ -95,8 +106,8 @@ Consistency, at every instant (so whatever a reader or a crash sees):
   a master, and a round not acknowledged fails the call (``IndexUnavailable``), which ingest
   retries with backoff; every write is idempotent, so a retried call converges to the same state.
 
-Epoch markers: a model's data spans every master, so the marker does too. ``kv.2:{M}:epoch`` holds
-``"G marker"``; each master holds a witness ``kv.2:M:epoch:{S}`` = G at its lowest slot S (``{S}``
+Epoch markers: a model's data spans every master, so the marker does too. ``kv.3:{M}:epoch`` holds
+``"G marker"``; each master holds a witness ``kv.3:M:epoch:{S}`` = G at its lowest slot S (``{S}``
 is a short tag hashing to S). ``epochs`` answers the marker only when every master's witness
 says G: a master that lost its data (restarted empty) lost its witness, so the model reads as
 lost, as when the one server of ``redis`` loses it. ``set_epoch`` keeps G while the marker is
@@ -123,6 +134,7 @@ through ``lookup`` in the thread pool (``reads_async`` is False).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import secrets
@@ -165,12 +177,17 @@ from scoring.index.base import (
 )
 from scoring.index.redis import (
     _LUA_HELPERS,
+    _LUA_LAYOUT,
+    _NO_HEAD,
     DEFAULT_NAMESPACE,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_SLICE_BLOCKS,
+    HEAD,
+    _digest_head,
     _held_each,
     _held_run,
     _Script,
+    _words,
     decode_name,
     encode_name,
 )
@@ -182,7 +199,7 @@ try:
 except ImportError:  # redis-py packs in Python
     _hiredis_pack = None
 
-LAYOUT = b".2"
+LAYOUT = b".3"
 """Appended to the namespace in every key name: the version of this layout (``redis``'s is its
 own). Keys of another layout (``kv:...``) are never read."""
 SLOTS = 16384
@@ -230,12 +247,20 @@ def _pack(conn: Any, commands: list[tuple]) -> list[bytes]:
     return conn.pack_commands(commands)
 
 
-def _hex_keys(values: Sequence[int]) -> list[bytes]:
-    """Each block key or engine hash as 16 lower-case hex digits, done in C (``struct.error``
-    outside 0..2**64-1)."""
-    if not values:
+def _tags(keys: Sequence[int]) -> list[bytes]:
+    """Each block key as the hash tag of its block's name: its 8 bytes after a zero byte in
+    base64url (12 characters), less the first character (always ``A``). 11 characters, none a
+    brace, so the tag is exactly these. Packed and encoded in C (``struct.error`` outside
+    0..2**64-1)."""
+    if not keys:
         return []
-    return struct.pack(f">{len(values)}Q", *values).hex(" ", 8).encode().split(b" ")
+    encoded = base64.urlsafe_b64encode(struct.pack(">" + "xQ" * len(keys), *keys))
+    return [encoded[i : i + 11] for i in range(1, len(encoded), 12)]
+
+
+def _tag_of_word(key: bytes) -> bytes:
+    """``_tags`` of one key given as its 8 bytes (as the holder's structures hold it)."""
+    return base64.urlsafe_b64encode(b"\0" + key)[1:]
 
 
 @functools.lru_cache(maxsize=SLOTS)
@@ -251,11 +276,11 @@ def slot_tag(slot: int) -> bytes:
 class _ModelKeys:
     """Key names and prefixes of one model (see the module docstring)."""
 
-    block_prefix: bytes  # kv.2:M:b:{
-    speculative_prefix: bytes  # kv.2:M:s:{
-    witness_prefix: bytes  # kv.2:M:epoch:{
-    pods: bytes  # kv.2:{M}:pods
-    epoch: bytes  # kv.2:{M}:epoch
+    block_prefix: bytes  # kv.3:M:b:{
+    speculative_prefix: bytes  # kv.3:M:s:{
+    witness_prefix: bytes  # kv.3:M:epoch:{
+    pods: bytes  # kv.3:{M}:pods
+    epoch: bytes  # kv.3:{M}:epoch
     model_slot: int
 
 
@@ -312,74 +337,18 @@ def _pod_keys(namespace: str, model: str, pod: str) -> _PodKeys:
 
 # -- scripts ---------------------------------------------------------------------------------------
 
-# Lua of this layout beside ``redis``'s helpers: its keys and engine hashes are hex, and its engine
-# map holds digests.
-_LUA_HEX = """
--- The hex of the last 8 bytes of digest, as two 32-bit halves (Lua numbers are doubles).
-local function hex_key(digest)
-  local a, b, c, d, e, f, g, h = string.byte(digest, -8, -1)
-  return string.format('%08x%08x', ((a * 256 + b) * 256 + c) * 256 + d, ((e * 256 + f) * 256 + g) * 256 + h)
-end
--- The engine hashes that go with keys the pod holds on no tier any more: the words of their
--- key -> hashes entries (linked[i] for keys[i], false: none), and each key that is itself an
--- engine hash pointing at it (an implied link, never written in the key -> hashes map).
-local function hashes_of_keys(engine, keys, linked)
-  local gone = {}
-  if #keys == 0 then return gone end
-  for i = 1, #keys do
-    if linked[i] then
-      for h in string.gmatch(linked[i], '%S+') do gone[#gone + 1] = h end
-    end
-  end
-  local own = call_many('HMGET', engine, keys)
-  for i, key in ipairs(keys) do
-    if own[i] and hex_key(own[i]) == key then gone[#gone + 1] = key end
-  end
-  return gone
-end
-"""
-
-# KEYS: the holder's lease, reverse set, tier counts, engine map, key -> hashes map, dirty set
-# (every key a script of a holder touches is declared, so that a slot half way through a
-# migration is refused with TRYAGAIN before the script starts, never part way).
-# ARGV: writer token, lease milliseconds, then the ops, each one of
-#   S, tier, n, distinct ('1' if no key and no hash repeats), n block keys, n hashes, n digests
-#   R, tier, n, n engine hashes
-#   C, the most entries to clear (>= 1)
-# Returns {0} if another writer holds the lease (nothing done); else {1, {count per op}, 1 if a
-# final C left entries else 0, {dirty "T K" that P holds}, {dirty "T K" it does not}}. Holds the
-# lease when something is dirty, else lets it go.
-_POD_APPLY = _Script(
-    "#!lua\n"
-    + _LUA_HELPERS
-    + _LUA_HEX
-    + """
+# Lua of a holder's own structures, beside ``redis``'s helpers and its layout's link helpers
+# (``links_*``: a holder's engine map and key -> hashes map hold only the links that are not
+# implied, as there). Whether P holds a key is read from its reverse set, not from the blocks.
+_LUA_POD = """
 local lease, reverse, tier_counts = KEYS[1], KEYS[2], KEYS[3]
 local engine, hashes_of, dirty = KEYS[4], KEYS[5], KEYS[6]
-local token, ttl = ARGV[1], ARGV[2]
-local holder = redis.call('GET', lease)
-if holder and holder ~= token then return {0} end
 
 -- The reverse-set entries "T K" of keys on tier.
 local function entries(tier, keys)
   local out = {}
   for i, key in ipairs(keys) do out[i] = tier .. ' ' .. key end
   return out
-end
-
--- redis.call(command, key, list...) in chunks, the integer replies summed.
-local function sum_many(command, key, list)
-  local total = 0
-  for from = 1, #list, 1000 do
-    total = total + redis.call(command, key, unpack(list, from, math.min(from + 999, #list)))
-  end
-  return total
-end
-
-local function count(tier, delta)
-  if delta ~= 0 and redis.call('HINCRBY', tier_counts, tier, delta) <= 0 then
-    redis.call('HDEL', tier_counts, tier)
-  end
 end
 
 -- keys -> true for the keys P holds on some tier other than except (nil: any tier).
@@ -397,137 +366,128 @@ local function held_on(keys, except)
   return out
 end
 
--- A store slice: its entries join the reverse set, and the engine hashes are pointed at their
--- digests exactly as redis's store script does, with "P held K" read from the reverse set
--- instead of the blocks.
+-- lk.held[x] for the words of list not known yet: whether P holds x on some tier now.
+local function read_held(lk, list)
+  local want = {}
+  for _, x in ipairs(list) do
+    if lk.held[x] == nil then
+      lk.held[x] = false
+      want[#want + 1] = x
+    end
+  end
+  local held = held_on(want, nil)
+  for _, x in ipairs(want) do lk.held[x] = held[x] or false end
+end
+"""
+
+# KEYS: the holder's lease, reverse set, tier counts, engine map, key -> hashes map, dirty set
+# (every key a script of a holder touches is declared, so that a slot half way through a
+# migration is refused with TRYAGAIN before the script starts, never part way).
+# ARGV: writer token, lease milliseconds, then the ops, each one of
+#   S, tier, n, n block keys, n engine hashes (8 bytes each)
+#   R, tier, n, n engine hashes
+#   C, the most entries to clear (>= 1)
+# Returns {0} if another writer holds the lease (nothing done); else {1, {count per op}, 1 if a
+# final C left entries else 0, {dirty "T K" that P holds}, {dirty "T K" it does not}}. Holds the
+# lease when something is dirty, else lets it go.
+_POD_APPLY = _Script(
+    "#!lua\n"
+    + _LUA_HELPERS
+    + _LUA_LAYOUT
+    + _LUA_POD
+    + """
+local token, ttl = ARGV[1], ARGV[2]
+local holder = redis.call('GET', lease)
+if holder and holder ~= token then return {0} end
+
+-- redis.call(command, key, list...) in chunks, the integer replies summed.
+local function sum_many(command, key, list)
+  local total = 0
+  for from = 1, #list, 1000 do
+    total = total + redis.call(command, key, unpack(list, from, math.min(from + 999, #list)))
+  end
+  return total
+end
+
+local function count(tier, delta)
+  if delta ~= 0 and redis.call('HINCRBY', tier_counts, tier, delta) <= 0 then
+    redis.call('HDEL', tier_counts, tier)
+  end
+end
+
+-- A store slice: its entries join the reverse set and the dirty set; the engine hashes are
+-- pointed at their keys as redis's store script points them.
 local function store(at)
-  local tier, n, distinct = ARGV[at + 1], tonumber(ARGV[at + 2]), ARGV[at + 3] == '1'
-  local K, H, D = at + 3, at + 3 + n, at + 3 + 2 * n
-  local keys = {}
-  for i = 1, n do keys[i] = ARGV[K + i] end
-  local held = held_on(keys, nil)
-  local old = call_range('HMGET', engine, ARGV, H + 1, H + n)
+  local tier, n = ARGV[at + 1], tonumber(ARGV[at + 2])
+  local K, H = at + 2, at + 2 + n
+  local keys, hashes, aligned = {}, {}, true
+  for i = 1, n do
+    keys[i], hashes[i] = ARGV[K + i], ARGV[H + i]
+    if hashes[i] ~= keys[i] then aligned = false end
+  end
   local mine = entries(tier, keys)
+  local linked = not aligned or redis.call('EXISTS', engine, hashes_of) > 0
+  local lk, words = links_new(engine, hashes_of), {}
+  if linked then  -- what the links are and which words P holds, before this store
+    links_read(lk, hashes, {})
+    for i = 1, n do
+      words[#words + 1] = keys[i]
+      words[#words + 1] = hashes[i]
+      if lk.E[hashes[i]] then words[#words + 1] = lk.E[hashes[i]] end
+    end
+    links_read(lk, {}, words)
+    read_held(lk, words)
+  end
   count(tier, sum_many('SADD', reverse, mine))
   call_many('SADD', dirty, mine)
-  local next_at = at + 3 + 3 * n
-
-  local fields, links, f, l = {}, {}, 0, 0
-  local simple = distinct
+  if not linked then return n, at + 2 + 2 * n end  -- every link implied
   for i = 1, n do
-    if not simple then break end
-    local digest, was = ARGV[D + i], old[i]
-    if was ~= digest then
-      if was or held[keys[i]] then
-        simple = false
-      else
-        local h = ARGV[H + i]
-        fields[f + 1], fields[f + 2], f = h, digest, f + 2
-        if h ~= keys[i] then links[l + 1], links[l + 2], l = keys[i], h, l + 2 end
-      end
-    end
+    local was_held = lk.held[keys[i]]
+    lk.held[keys[i]] = true
+    links_point(lk, hashes[i], keys[i], was_held)
   end
-  if simple then
-    call_range('HSET', engine, fields, 1, f)
-    call_range('HSET', hashes_of, links, 1, l)
-    return n, next_at
-  end
-
-  local now, moves, move_key, move_hash, move_link = {}, 0, {}, {}, {}
-  fields, f = {}, 0
-  for i = 1, n do
-    local h, digest = ARGV[H + i], ARGV[D + i]
-    local cur = now[h]
-    if cur == nil then cur = old[i] end
-    if cur ~= digest then
-      local was_key = cur and hex_key(cur)
-      if was_key and was_key ~= h then
-        moves = moves + 1
-        move_key[moves], move_hash[moves], move_link[moves] = was_key, h, false
-      end
-      now[h] = digest
-      fields[f + 1], fields[f + 2], f = h, digest, f + 2
-      if ARGV[K + i] ~= h then
-        moves = moves + 1
-        move_key[moves], move_hash[moves], move_link[moves] = ARGV[K + i], h, true
-      end
-    end
-  end
-  if f == 0 then return n, next_at end
-  call_range('HSET', engine, fields, 1, f)
-  if moves == 0 then return n, next_at end
-
-  local touched, linked = {}, {}
-  for m = 1, moves do
-    local key = move_key[m]
-    if linked[key] == nil then
-      touched[#touched + 1] = key
-      linked[key] = false
-    end
-  end
-  local was = call_many('HMGET', hashes_of, touched)
-  for j, key in ipairs(touched) do linked[key] = was[j] end
-  for m = 1, moves do
-    local key, h = move_key[m], move_hash[m]
-    local cur = linked[key]
-    if move_link[m] then
-      if not cur then
-        linked[key] = h
-      elseif not has_word(cur, h) then
-        linked[key] = cur .. ' ' .. h
-      end
-    elseif cur then
-      linked[key] = without(cur, h)
-    end
-  end
-  local before = {}
-  for j, key in ipairs(touched) do before[key] = was[j] end
-  write_fields(hashes_of, linked, before)
-  return n, next_at
+  links_write(lk)
+  return n, at + 2 + 2 * n
 end
 
 -- A remove: as redis's remove script, on the reverse set.
 local function remove(at)
   local tier, n = ARGV[at + 1], tonumber(ARGV[at + 2])
   local first, last = at + 3, at + 2 + n
-  local digests = call_range('HMGET', engine, ARGV, first, last)
-  local key_at, keys, seen = {}, {}, {}
-  for i, digest in ipairs(digests) do
-    if digest then
-      local key = hex_key(digest)
-      key_at[i] = key
-      if not seen[key] then
-        seen[key] = true
-        keys[#keys + 1] = key
-      end
-    else
-      key_at[i] = false
+  local lk, hashes = links_new(engine, hashes_of), {}
+  for i = first, last do hashes[#hashes + 1] = ARGV[i] end
+  links_read(lk, hashes, {})
+  local cands, seen = {}, {}
+  for _, h in ipairs(hashes) do
+    local x = lk.E[h] or h
+    if not seen[x] then
+      seen[x] = true
+      cands[#cands + 1] = x
     end
   end
-  if #keys == 0 then return 0, last end
-  local member = call_many('SMISMEMBER', reverse, entries(tier, keys))
+  local member = call_many('SMISMEMBER', reverse, entries(tier, cands))
+  local elsewhere = held_on(cands, tier)
   local here = {}
-  for i, key in ipairs(keys) do here[key] = member[i] == 1 end
-  local elsewhere = held_on(keys, tier)
-  local was = call_many('HMGET', hashes_of, keys)
-  local linked = {}
-  for i, key in ipairs(keys) do linked[key] = was[i] end
+  for j, x in ipairs(cands) do
+    here[x] = member[j] == 1
+    lk.held[x] = here[x] or elsewhere[x] or false
+  end
+  links_read(lk, {}, cands)
+  local key_at = {}
+  for i, h in ipairs(hashes) do key_at[i] = links_target(lk, h) or false end
 
-  local removed, dropped, forgotten, forgotten_links, unknown = 0, {}, {}, {}, {}
-  for i = 1, n do
-    local h, key = ARGV[first + i - 1], key_at[i]
+  -- Replay the hashes in order: the entry leaves; when P then holds the key on no tier, every
+  -- engine hash pointing at it goes (later hashes among them are unknown).
+  local removed, dropped, unknown = 0, {}, {}
+  for i, h in ipairs(hashes) do
+    local key = key_at[i]
     if key and not unknown[h] and here[key] then
       here[key] = false
       removed = removed + 1
       dropped[#dropped + 1] = key
-      local hs = linked[key]
-      if hs ~= nil and not elsewhere[key] then
-        if hs then
-          for w in string.gmatch(hs, '%S+') do unknown[w] = true end
-        end
-        forgotten[#forgotten + 1] = key
-        forgotten_links[#forgotten] = hs
-        linked[key] = nil
+      if not elsewhere[key] then
+        local list = links_forget(lk, key)
+        for w = 1, #list, 8 do unknown[string.sub(list, w, w + 7)] = true end
       end
     end
   end
@@ -536,42 +496,40 @@ local function remove(at)
   call_many('SREM', reverse, gone)
   count(tier, -removed)
   call_many('SADD', dirty, gone)
-  call_many('HDEL', engine, hashes_of_keys(engine, forgotten, forgotten_links))
-  call_many('HDEL', hashes_of, forgotten)
+  links_write(lk)
   return removed, last
 end
 
 -- A clear slice: at most limit entries leave the reverse set; a key's engine hashes go when P
 -- then holds it on no tier; the maps go with the last entry.
 local function clear(at)
-  local limit, removed = tonumber(ARGV[at + 1]), 0
+  local limit, removed, lk = tonumber(ARGV[at + 1]), 0, links_new(engine, hashes_of)
   while removed < limit do
     local popped = redis.call('SPOP', reverse, math.min(1000, limit - removed))
     if #popped == 0 then break end
     call_many('SADD', dirty, popped)
     local keys, seen, by_tier = {}, {}, {}
     for _, entry in ipairs(popped) do
-      local space = string.find(entry, ' ', 1, true)
-      local tier, key = string.sub(entry, 1, space - 1), string.sub(entry, space + 1)
+      local tier, key = string.sub(entry, 1, -10), string.sub(entry, -8)
       by_tier[tier] = (by_tier[tier] or 0) + 1
       if not seen[key] then
         seen[key] = true
         keys[#keys + 1] = key
       end
     end
-    local held = held_on(keys, nil)
-    local orphans = {}
+    for tier, n in pairs(by_tier) do count(tier, -n) end
+    local held, orphans = held_on(keys, nil), {}
     for _, key in ipairs(keys) do
       if not held[key] then orphans[#orphans + 1] = key end
     end
-    if #orphans > 0 then
-      local linked = call_many('HMGET', hashes_of, orphans)
-      call_many('HDEL', engine, hashes_of_keys(engine, orphans, linked))
-      call_many('HDEL', hashes_of, orphans)
+    links_read(lk, {}, orphans)
+    for _, key in ipairs(orphans) do
+      lk.held[key] = true  -- until forgotten: its implied link goes with it
+      links_forget(lk, key)
     end
-    for tier, n in pairs(by_tier) do count(tier, -n) end
     removed = removed + #popped
   end
+  links_write(lk)
   if redis.call('EXISTS', reverse) == 1 then return removed, true, at + 1 end
   redis.call('DEL', engine, hashes_of, tier_counts)
   return removed, false, at + 1
@@ -609,6 +567,28 @@ return {1, counts, more, held, gone}
 """
 )
 
+# KEYS: as _POD_APPLY's. ARGV: engine hashes (8 bytes each). Returns, per hash, the key (8
+# bytes) of the block it points at, or nil: the first of resolve's two rounds (the digest's head
+# is in the block, on its own master).
+_RESOLVE = _Script(
+    "#!lua flags=no-writes\n"
+    + _LUA_HELPERS
+    + _LUA_LAYOUT
+    + _LUA_POD
+    + """
+local lk, hashes = links_new(engine, hashes_of), {}
+for i = 1, #ARGV do hashes[i] = ARGV[i] end
+links_read(lk, hashes, {})
+local cands = {}
+for i, h in ipairs(hashes) do cands[i] = lk.E[h] or h end
+links_read(lk, {}, cands)
+read_held(lk, cands)
+local out = {}
+for i, h in ipairs(hashes) do out[i] = links_target(lk, h) or false end
+return out
+"""
+)
+
 # KEYS: the lease, the dirty set, the seq. ARGV: writer token ('' when this call holds no lease:
 # progress only), seq ('' for none). Returns 0 if the lease was lost to another writer (nothing
 # done).
@@ -623,45 +603,62 @@ return 1
 """)
 
 # No KEYS (the blocks are of many slots of this node). ARGV: groups of: field "P@T", the number
-# to add, the number to remove, the block names to add the field to, those to remove it from.
+# a to add, the number d to remove, the a block names to add the field to, their a digest heads
+# (all zero where unknown), the d block names to remove it from. A block is its digest's head,
+# then its entries, as in ``redis``; a head all zero takes the first one given that is not.
 # Reads every block before writing any, so a block this node does not serve fails the call
 # before it changed anything. Returns how many blocks changed.
 _BLOCKS = _Script(
     "#!lua flags=allow-cross-slot-keys\n"
     + _LUA_HELPERS
+    + _LUA_LAYOUT
     + """
+-- The block names of group at: its adds, then its removes (the heads skipped).
+local function names_of(at, adds, drops)
+  local out = {}
+  for i = at + 3, at + 2 + adds do out[#out + 1] = ARGV[i] end
+  for i = at + 3 + 2 * adds, at + 2 + 2 * adds + drops do out[#out + 1] = ARGV[i] end
+  return out
+end
 local names, seen, at = {}, {}, 1
 while at <= #ARGV do
-  local total = tonumber(ARGV[at + 1]) + tonumber(ARGV[at + 2])
-  for i = at + 3, at + 2 + total do
-    if not seen[ARGV[i]] then
-      seen[ARGV[i]] = true
-      names[#names + 1] = ARGV[i]
+  local adds, drops = tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
+  for _, name in ipairs(names_of(at, adds, drops)) do
+    if not seen[name] then
+      seen[name] = true
+      names[#names + 1] = name
     end
   end
-  at = at + 3 + total
+  at = at + 3 + 2 * adds + drops
 end
 local before, after = {}, {}
 for i, name in ipairs(names) do
-  before[i] = redis.call('GET', name)
+  before[i] = redis.call('GET', name) or false
   after[name] = before[i]
 end
 at = 1
 while at <= #ARGV do
   local entry, adds, drops = ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
   for i = at + 3, at + 2 + adds do
-    local cur = after[ARGV[i]]
+    local name, head = ARGV[i], ARGV[i + adds]
+    local cur = after[name]
     if not cur then
-      after[ARGV[i]] = entry
-    elseif not has_word(cur, entry) then
-      after[ARGV[i]] = cur .. ' ' .. entry
+      after[name] = head .. entry
+    else
+      local rest = entries_of(cur)
+      if not has_word(rest, entry) then rest = rest .. ' ' .. entry end
+      if string.sub(cur, 1, HEAD) == NO_HEAD then cur = head end
+      after[name] = string.sub(cur, 1, HEAD) .. rest
     end
   end
-  for i = at + 3 + adds, at + 2 + adds + drops do
+  for i = at + 3 + 2 * adds, at + 2 + 2 * adds + drops do
     local cur = after[ARGV[i]]
-    if cur then after[ARGV[i]] = without(cur, entry) end
+    if cur then
+      local rest = without(entries_of(cur), entry)
+      after[ARGV[i]] = rest and (string.sub(cur, 1, HEAD) .. rest)
+    end
   end
-  at = at + 3 + adds + drops
+  at = at + 3 + 2 * adds + drops
 end
 local changed = 0
 for i, name in ipairs(names) do
@@ -713,7 +710,7 @@ redis.call('SET', KEYS[1], ARGV[2])
 return 1
 """)
 
-_SCRIPTS = (_POD_APPLY, _FINISH, _BLOCKS, _READ, _SPECULATE, _EPOCH_CLAIM)
+_SCRIPTS = (_POD_APPLY, _RESOLVE, _FINISH, _BLOCKS, _READ, _SPECULATE, _EPOCH_CLAIM)
 
 
 # -- rounds ------------------------------------------------------------------------------------------
@@ -744,6 +741,7 @@ class _Lane:
     args: list[bytes | int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # the update of each op
     progress: int | None = None
+    heads: dict[bytes, bytes] = field(default_factory=dict)  # key -> its digest's head, of the stores
 
 
 @dataclass(frozen=True, slots=True)
@@ -879,7 +877,7 @@ class RedisClusterIndex:
 
     @_unavailable_on_cluster_error
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
-        """Remove every entry of ``pod``; with ``model=None`` under every model in ``kv.2:models``."""
+        """Remove every entry of ``pod``; with ``model=None`` under every model in ``kv.3:models``."""
         models = self._models() if model is None else [model]
         return sum(self.apply_updates([ClearPod(m, pod) for m in models]))
 
@@ -934,7 +932,9 @@ class RedisClusterIndex:
                     lanes, work = {}, 0
                 lane = self._lane(lanes, update)
                 lane.args += (
-                    self._store_args(update.tier, part) if store else self._remove_args(update.tier, part)
+                    self._store_args(lane, update.tier, part)
+                    if store
+                    else self._remove_args(update.tier, part)
                 )
                 lane.positions.append(i)
                 work += len(part)
@@ -954,7 +954,7 @@ class RedisClusterIndex:
     def set_epoch(self, *, model: str, value: str, if_absent: bool = False) -> bool:
         """Write the marker (module docstring): keep its generation while every witness has it,
         else start a new one; with ``if_absent`` only when the marker reads as absent, by a
-        compare-and-set of ``kv.2:{M}:epoch``, then the witnesses."""
+        compare-and-set of ``kv.3:{M}:epoch``, then the witnesses."""
         mk = _model_keys(self._namespace, model)
         [(raw, whole)] = self._read_epochs([model])
         if if_absent and whole:
@@ -982,7 +982,21 @@ class RedisClusterIndex:
         if not engine_hashes:
             return []
         pk = _pod_keys(self._namespace, model, pod)
-        return self._round([(pk.slot, ("HMGET", pk.engine, *_hex_keys(engine_hashes)))])[0]
+        call = ("EVALSHA", _RESOLVE.sha, len(pk.applied), *pk.applied, *_words(engine_hashes))
+        targets = self._round([(pk.slot, call)])[0]
+        found = [key for key in targets if key]
+        if not found:
+            return [None] * len(targets)
+        prefix = _model_keys(self._namespace, model).block_prefix
+        values = iter(self._read_tagged(prefix, [int.from_bytes(key, "big") for key in found]))
+        out: list[Digest | None] = []
+        for key in targets:
+            value = next(values) if key else None
+            if value is None:  # no such key, or its block not written yet (a phase under way)
+                out.append(None)
+            else:
+                out.append(key if value[:HEAD] == _NO_HEAD else value[:HEAD] + key)
+        return out
 
     @_unavailable_on_cluster_error
     def lookup(
@@ -996,7 +1010,7 @@ class RedisClusterIndex:
         if wanted is not None and not wanted:
             return []
         prefix = _model_keys(self._namespace, model).block_prefix
-        return _held_run(self._read_tagged(prefix, keys), wanted)
+        return _held_run(self._read_tagged(prefix, keys), wanted, HEAD)
 
     @property
     def reads_async(self) -> bool:
@@ -1019,7 +1033,7 @@ class RedisClusterIndex:
         if self.reads_async and self._client is not None:
             values = await self._aread_tagged(_model_keys(self._namespace, model).block_prefix, keys)
             if values is not None:
-                return _held_run(values, wanted)
+                return _held_run(values, wanted, HEAD)
         return await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(self.lookup, model=model, keys=keys, pods=wanted)
         )
@@ -1040,7 +1054,7 @@ class RedisClusterIndex:
         start = 0
         for i in asked:
             end = start + len(queries[i][0])
-            out[i] = _held_run(values[start:end], wanted[i])
+            out[i] = _held_run(values[start:end], wanted[i], HEAD)
             start = end
         return out
 
@@ -1049,7 +1063,7 @@ class RedisClusterIndex:
         """Holders of every key (``{}`` where none): one script call per master, all at once."""
         if not keys:
             return []
-        return _held_each(self._read_tagged(_model_keys(self._namespace, model).block_prefix, keys))
+        return _held_each(self._read_tagged(_model_keys(self._namespace, model).block_prefix, keys), HEAD)
 
     @_unavailable_on_cluster_error
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
@@ -1058,11 +1072,11 @@ class RedisClusterIndex:
         if not points or seconds <= 0:
             return
         prefix = _model_keys(self._namespace, model).speculative_prefix
-        hexes = _hex_keys([keys[point] for point in points])
+        tags = _tags([keys[point] for point in points])
         now = int(time.time() * 1000)
         head = [encode_name(pod), now, now + max(1, int(seconds * 1000))]
         self._cross_slot(
-            [(crc_hqx(h, 0) & _SLOT_MASK, prefix + h + b"}") for h in hexes],
+            [(crc_hqx(t, 0) & _SLOT_MASK, prefix + t + b"}") for t in tags],
             lambda names: ("EVALSHA", _SPECULATE.sha, 0, *head, *names),
             write=False,
         )
@@ -1109,7 +1123,7 @@ class RedisClusterIndex:
 
     @_unavailable_on_cluster_error
     def progress(self, *, model: str | None = None) -> dict[tuple[str, str], int]:
-        """The ``seq`` of every holder listed under ``model`` (every model in ``kv.2:models``)."""
+        """The ``seq`` of every holder listed under ``model`` (every model in ``kv.3:models``)."""
         models = sorted(self._models()) if model is None else [model]
         holders = self._holders(models)
         seqs = self._round(
@@ -1154,28 +1168,23 @@ class RedisClusterIndex:
         return lane
 
     @staticmethod
-    def _store_args(tier: Tier, blocks: Sequence[StoredBlock]) -> list[bytes | int]:
-        hex_keys = _hex_keys([b.key for b in blocks])
-        engine_hashes = _hex_keys([b.engine_hash for b in blocks])
-        distinct = len(set(hex_keys)) == len(set(engine_hashes)) == len(blocks)
-        args: list[bytes | int] = [
-            b"S",
-            encode_name(tier),
-            len(blocks),
-            b"1" if distinct else b"0",
-            *hex_keys,
-        ]
-        args += engine_hashes
-        args += [b.digest for b in blocks]
-        return args
+    def _store_args(lane: _Lane, tier: Tier, blocks: Sequence[StoredBlock]) -> list[bytes | int]:
+        """A store op's arguments; the heads of its digests are kept for the block round."""
+        keys = _words([b.key for b in blocks])
+        heads = lane.heads
+        for key, block in zip(keys, blocks, strict=True):
+            head = _digest_head(block.digest)
+            if head != _NO_HEAD or key not in heads:
+                heads[key] = head
+        return [b"S", encode_name(tier), len(blocks), *keys, *_words([b.engine_hash for b in blocks])]
 
     @staticmethod
     def _remove_args(tier: Tier, engine_hashes: Sequence[int]) -> list[bytes | int]:
-        return [b"R", encode_name(tier), len(engine_hashes), *_hex_keys(engine_hashes)]
+        return [b"R", encode_name(tier), len(engine_hashes), *_words(engine_hashes)]
 
     def _register(self, updates: Sequence[IndexUpdate]) -> None:
-        """Add the models and holders this client writes for the first time to ``kv.2:models`` and
-        ``kv.2:{M}:pods`` (what ``pod_blocks``, ``progress`` and ``clear_model`` enumerate), before
+        """Add the models and holders this client writes for the first time to ``kv.3:models`` and
+        ``kv.3:{M}:pods`` (what ``pod_blocks``, ``progress`` and ``clear_model`` enumerate), before
         anything of theirs is written."""
         models: set[str] = set()
         pods: set[tuple[str, str]] = set()
@@ -1216,9 +1225,9 @@ class RedisClusterIndex:
 
     def _read_tagged(self, prefix: bytes, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """The values of ``prefix + K + "}"`` for every key, in order: one read per master."""
-        hexes = _hex_keys(keys)
+        tags = _tags(keys)
         return self._cross_slot(
-            [(crc_hqx(h, 0) & _SLOT_MASK, prefix + h + b"}") for h in hexes],
+            [(crc_hqx(t, 0) & _SLOT_MASK, prefix + t + b"}") for t in tags],
             lambda names: ("EVALSHA", _READ.sha, 0, *names),
             write=False,
             per_item=True,
@@ -1228,12 +1237,12 @@ class RedisClusterIndex:
         """``_read_tagged`` on this loop's read connections, every master's script sent before
         any reply is awaited; ``None`` when a master's answer needs the sync path (a redirection,
         NOSCRIPT, any other error reply, a connection that failed, a slot no master serves)."""
-        hexes = _hex_keys(keys)
+        tags = _tags(keys)
         slot_map = self._map()
         owner = slot_map.owner
         groups: list[list[int]] = [[] for _ in slot_map.primaries]
-        for i, h in enumerate(hexes):
-            n = owner[crc_hqx(h, 0) & _SLOT_MASK]
+        for i, t in enumerate(tags):
+            n = owner[crc_hqx(t, 0) & _SLOT_MASK]
             if n < 0:
                 return None
             groups[n].append(i)
@@ -1241,12 +1250,12 @@ class RedisClusterIndex:
         asked = [(n, idx) for n, idx in enumerate(groups) if idx]
         replies = await asyncio.gather(
             *(
-                readers[n].execute(b"EVALSHA", _READ.sha, b"0", *[prefix + hexes[i] + b"}" for i in idx])
+                readers[n].execute(b"EVALSHA", _READ.sha, b"0", *[prefix + tags[i] + b"}" for i in idx])
                 for n, idx in asked
             ),
             return_exceptions=True,
         )
-        values: list[bytes | None] = [None] * len(hexes)
+        values: list[bytes | None] = [None] * len(tags)
         for (_, idx), reply in zip(asked, replies, strict=True):
             if isinstance(reply, TimeoutError):  # (an OSError too) a master that does not answer
                 raise IndexUnavailable(f"the Redis cluster index is unreachable: {reply}") from reply
@@ -1286,7 +1295,7 @@ class RedisClusterIndex:
         return readers.primaries
 
     def _read_epochs(self, models: Sequence[str]) -> list[tuple[bytes | None, bool]]:
-        """Per model: the raw ``kv.2:{M}:epoch`` value, and whether every witness holds its
+        """Per model: the raw ``kv.3:{M}:epoch`` value, and whether every witness holds its
         generation."""
         if not models:
             return []
@@ -1397,26 +1406,33 @@ class RedisClusterIndex:
         return more
 
     def _block_ops(self, lane: _Lane, held: Iterable[bytes], gone: Iterable[bytes]) -> list[tuple[int, Any]]:
-        """The block round's ops for a lane's dirty entries: (slot, (entry, add?, block name))."""
+        """The block round's ops for a lane's dirty entries "T K" (K: 8 bytes): (slot, (entry,
+        block name, its digest's head to add it with, or ``None`` to remove it))."""
         prefix = _model_keys(self._namespace, lane.model).block_prefix
-        pod = lane.keys.pod
+        pod, heads = lane.keys.pod, lane.heads
         ops = []
         for entries, add in ((held, True), (gone, False)):
             for entry in entries:
-                tier, _, key = entry.partition(b" ")
-                ops.append((_slot(key), (pod + b"@" + tier, add, prefix + key + b"}")))
+                tier, key = entry[:-9], entry[-8:]
+                tag = _tag_of_word(key)
+                head = heads.get(key, _NO_HEAD) if add else None
+                ops.append((_slot(tag), (pod + b"@" + tier, prefix + tag + b"}", head)))
         return ops
 
     @staticmethod
-    def _blocks_call(ops: Sequence[tuple[bytes, bool, bytes]]) -> tuple:
-        """One ``_BLOCKS`` call for ``ops`` (entry, add?, block name), grouped by entry."""
-        groups: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
-        for entry, add, name in ops:
-            adds, drops = groups.setdefault(entry, ([], []))
-            (adds if add else drops).append(name)
+    def _blocks_call(ops: Sequence[tuple[bytes, bytes, bytes | None]]) -> tuple:
+        """One ``_BLOCKS`` call for ``ops`` (entry, block name, head or ``None``), grouped by entry."""
+        groups: dict[bytes, tuple[list[bytes], list[bytes], list[bytes]]] = {}
+        for entry, name, head in ops:
+            adds, heads, drops = groups.setdefault(entry, ([], [], []))
+            if head is None:
+                drops.append(name)
+            else:
+                adds.append(name)
+                heads.append(head)
         args: list[bytes | int] = []
-        for entry, (adds, drops) in groups.items():
-            args += [entry, len(adds), len(drops), *adds, *drops]
+        for entry, (adds, heads, drops) in groups.items():
+            args += [entry, len(adds), len(drops), *adds, *heads, *drops]
         return ("EVALSHA", _BLOCKS.sha, 0, *args)
 
     # -- plumbing: rounds -------------------------------------------------------------------------

@@ -6,6 +6,7 @@ so that keys and digests in these tests are the ones an engine would report.
 
 from __future__ import annotations
 
+import base64
 import random
 from collections.abc import Callable
 
@@ -41,31 +42,41 @@ def hashes(blocks: list[StoredBlock]) -> list[int]:
     return [b.engine_hash for b in blocks]
 
 
+def tag(key: int) -> str:
+    """The hash tag of block ``key``'s name in the cluster's layout: base64url of its 8 bytes
+    after a zero byte, less the first character."""
+    return base64.urlsafe_b64encode(b"\0" + key.to_bytes(8, "big")).decode()[1:]
+
+
 def assert_cluster_consistent(masters: list) -> None:
     """The invariants of ``scoring.index.cluster``, read straight from every master (plain
     ``redis.Redis`` clients), once no write is in flight: block entries and reverse entries are
-    the same set, no dirty entry or lease is left, the tier counts count the reverse sets, and
-    each holder's engine map is the inverse of its key -> hashes map and points at held keys."""
-    blocks: set[tuple[bytes, bytes, bytes]] = set()  # (model, K, "P@T")
+    the same set, every block starts with its digest's head, no dirty entry or lease is left, the
+    tier counts count the reverse sets, and each holder's engine map with the implied links is
+    the inverse of its key -> hashes map and points at held keys."""
+    blocks: set[tuple[bytes, bytes, bytes]] = set()  # (model, K as 8 bytes, "P@T")
     reverse: set[tuple[bytes, bytes, bytes]] = set()
     counts: dict[tuple[bytes, bytes], dict[bytes, int]] = {}  # (model, P) -> tier -> count
     engine_maps: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}
     hashes_of: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}
     leftovers = []
     for server in masters:
-        for name in server.scan_iter(match=b"kv.2:*", count=1000):
+        for name in server.scan_iter(match=b"kv.3:*", count=1000):
             if b":b:{" in name:
-                model, _, key = name[5:-1].partition(b":b:{")
-                blocks |= {(model, key, entry) for entry in server.get(name).split(b" ")}
+                model, _, tag = name[5:-1].partition(b":b:{")
+                key = base64.urlsafe_b64decode(b"A" + tag + b"=")[1:]
+                value = server.get(name)
+                head, entries = value[:24], value[24:]
+                assert len(head) == 24 and entries and not entries.startswith(b" ")
+                blocks |= {(model, key, entry) for entry in entries.split(b" ")}
                 continue
-            if not name.startswith(b"kv.2:{") or b"@" not in name:
+            if not name.startswith(b"kv.3:{") or b"@" not in name:
                 continue  # model-wide keys: pods set, epoch marker
             tag, _, kind = name[6:].partition(b"}:")
             model, _, pod = tag.partition(b"@")
             if kind == b"r":
                 for entry in server.smembers(name):
-                    tier, _, key = entry.partition(b" ")
-                    reverse.add((model, key, pod + b"@" + tier))
+                    reverse.add((model, entry[-8:], pod + b"@" + entry[:-9]))
             elif kind == b"n":
                 counts[model, pod] = {t: int(n) for t, n in server.hgetall(name).items()}
             elif kind == b"e":
@@ -77,20 +88,27 @@ def assert_cluster_consistent(masters: list) -> None:
     assert leftovers == []
     assert blocks == reverse
     by_tier: dict[tuple[bytes, bytes], dict[bytes, int]] = {}
-    for model, _, entry in reverse:
+    held: dict[tuple[bytes, bytes], set[bytes]] = {}
+    for model, key, entry in reverse:
         pod, _, tier = entry.partition(b"@")
         tiers = by_tier.setdefault((model, pod), {})
         tiers[tier] = tiers.get(tier, 0) + 1
+        held.setdefault((model, pod), set()).add(key)
     assert counts == by_tier
-    assert hashes_of.keys() <= engine_maps.keys()
-    for (model, pod), engine in engine_maps.items():
-        key_of_hash = {h: b"%016x" % key_of(digest) for h, digest in engine.items()}
-        linked = {h: k for k, hs in hashes_of.get((model, pod), {}).items() for h in hs.split(b" ")}
-        assert all(h != k for h, k in linked.items())  # a link of a key to itself is implied
-        linked |= {h: k for h, k in key_of_hash.items() if h == k}
-        assert linked == key_of_hash
-        held = {k for m, k, entry in reverse if m == model and entry.partition(b"@")[0] == pod}
-        assert set(key_of_hash.values()) <= held
+    for holder in engine_maps.keys() | hashes_of.keys():
+        explicit = engine_maps.get(holder, {})
+        assert all(h != k and len(h) == len(k) == 8 for h, k in explicit.items())  # implied: not written
+        lists = hashes_of.get(holder, {})
+        linked = {}
+        for k, hs in lists.items():
+            words = {hs[i : i + 8] for i in range(0, len(hs), 8)}
+            assert words != {k}  # a key's list that is just itself is implied
+            linked |= {h: k for h in words}
+        # an engine hash that is a held key and in no list is implied: it points at itself
+        implied = {h: h for h in held.get(holder, set()) if h not in explicit and h not in lists}
+        assert {h: k for h, k in linked.items() if h != k} == explicit
+        assert set(explicit.values()) | set(lists) <= held.get(holder, set())
+        assert not implied.keys() & {h for h, k in linked.items() if h != k}
 
 
 def agrees_with_the_memory_index(

@@ -16,7 +16,7 @@ from redis.crc import key_slot
 
 from scoring.index import IndexUnavailable, StoredBlock
 from scoring.index.cluster import RedisClusterIndex
-from tests.index import MODEL, chain, keys
+from tests.index import MODEL, chain, keys, tag
 from tests.servers import ValkeyCluster
 
 GPU = frozenset({"gpu"})
@@ -205,7 +205,7 @@ def test_a_moved_slot_goes_through_the_sync_path_once_then_the_new_owner_is_read
     blocks = chain(40)
     index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
     warm(index, blocks)
-    slot = key_slot(b"{%016x}" % blocks[0].key)
+    slot = key_slot(f"{{{tag(blocks[0].key)}}}".encode())
     cluster.migrate_slot(slot, next(p for p in cluster.master_ports() if p != cluster.owner(slot)))
     fallbacks = count_fallbacks(index, monkeypatch)
 

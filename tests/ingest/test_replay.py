@@ -27,7 +27,7 @@ from scoring.index import KVIndex, open_index
 from scoring.index.cluster import RedisClusterIndex
 from scoring.keys import block_keys
 from simulator.publisher import EventPublisher
-from tests.index import assert_cluster_consistent
+from tests.index import assert_cluster_consistent, tag
 from tests.ingest.conftest import MODEL
 from tests.servers import wait_until
 
@@ -492,7 +492,7 @@ def test_a_cluster_master_that_lost_its_data_gets_the_model_rebuilt(fx: Fixture)
     fx.sync(a)
     token = wait_until(lambda: parse_marker(fx.index.epochs([MODEL])[0]), timeout=5, what="a marker")[0]
     first_key = block_keys(block(0, None)[0].token_ids, seed=SEED, block_size=BLOCK)[0]
-    victim = fx.index._primary(key_slot(b"{%016x}" % first_key))  # the master holding block 0
+    victim = fx.index._primary(key_slot(f"{{{tag(first_key)}}}".encode()))  # the master holding block 0
 
     victim.redis_connection.flushall()
     assert fx.held(a) == 0
