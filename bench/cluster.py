@@ -359,8 +359,10 @@ def memory_bench(backends: dict[str, Servers], blocks: int, *, aligned: bool = T
     ]
     rows = []
     cases = [(name, servers, servers.url) for name, servers in backends.items()]
-    if "redis" in backends:  # the one server's compact layout too
-        cases.insert(1, ("redis-compact", backends["redis"], backends["redis"].url + "?layout=compact"))
+    for name in ("redis", "cluster"):  # the compact layouts too
+        if name in backends:
+            at = next(i for i, case in enumerate(cases) if case[0] == name) + 1
+            cases.insert(at, (name + "-compact", backends[name], backends[name].url + "?layout=compact"))
     for name, servers, url in cases:
         servers.flush()
         index = open_index(url, socket_timeout=10)
@@ -372,7 +374,7 @@ def memory_bench(backends: dict[str, Servers], blocks: int, *, aligned: bool = T
         parts = memory_parts(servers, blocks)
         index.store(model=MODEL, pod="pod-001", tier="gpu", blocks=chain)
         second = servers.snapshot()["memory"]
-        counts = servers.key_counts(b"kv.3:bench%2Fmodel:b:{*") if servers.kind == "cluster" else []
+        counts = servers.key_counts(b"kv.3*:bench%2Fmodel:b:{*") if servers.kind == "cluster" else []
         index.close()
         rows.append(
             {

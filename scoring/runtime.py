@@ -74,13 +74,14 @@ def index_url() -> str:
 
 
 def index_options() -> dict[str, str]:
-    """The index's own options beside its URL: the one-server index's ``KVCACHE_INDEX_LAYOUT``
-    (``fast`` or ``compact``); the other backends have one layout (``ValueError`` for another)."""
+    """The index's own options beside its URL: a Redis index's (one server or a cluster)
+    ``KVCACHE_INDEX_LAYOUT`` (``fast`` or ``compact``); the in-process index has one layout
+    (``ValueError`` for another)."""
     layout = settings.KVCACHE_INDEX_LAYOUT
-    if settings.KVCACHE_INDEX_BACKEND == "redis":
+    if index_is_shared():
         return {"layout": layout}
     if layout != "fast":
-        raise ValueError(f"KVCACHE_INDEX_LAYOUT={layout!r} is for KVCACHE_INDEX_BACKEND=redis only")
+        raise ValueError(f"KVCACHE_INDEX_LAYOUT={layout!r} is for a Redis index (redis, redis-cluster://)")
     return {}
 
 

@@ -176,6 +176,7 @@ from scoring.index.base import (
     speculation_points,
 )
 from scoring.index.redis import (
+    _LUA_BLOBS,
     _LUA_HELPERS,
     _LUA_LAYOUT,
     _NO_HEAD,
@@ -183,6 +184,7 @@ from scoring.index.redis import (
     DEFAULT_READ_TIMEOUT,
     DEFAULT_SLICE_BLOCKS,
     HEAD,
+    LAYOUTS,
     _digest_head,
     _held_each,
     _held_run,
@@ -200,8 +202,9 @@ except ImportError:  # redis-py packs in Python
     _hiredis_pack = None
 
 LAYOUT = b".3"
-"""Appended to the namespace in every key name: the version of this layout (``redis``'s is its
-own). Keys of another layout (``kv:...``) are never read."""
+"""Appended to the namespace in every key name: the version of this layout (``.3c`` for the
+compact one, as in ``redis``). Keys of another layout are never read."""
+COMPACT_LAYOUT = LAYOUT + b"c"
 SLOTS = 16384
 LEASE_SECONDS = 5.0
 """How long a writer that stopped mid-phase keeps its holders from other writers."""
@@ -285,8 +288,9 @@ class _ModelKeys:
 
 
 @functools.lru_cache(maxsize=1024)
-def _model_keys(namespace: str, model: str) -> _ModelKeys:
-    ns, m = namespace.encode() + LAYOUT, encode_name(model)
+def _model_keys(prefix: str, model: str) -> _ModelKeys:
+    """``prefix``: the namespace with the layout's version."""
+    ns, m = prefix.encode(), encode_name(model)
     return _ModelKeys(
         block_prefix=ns + b":" + m + b":b:{",
         speculative_prefix=ns + b":" + m + b":s:{",
@@ -318,10 +322,10 @@ class _PodKeys:
 
 
 @functools.lru_cache(maxsize=65536)
-def _pod_keys(namespace: str, model: str, pod: str) -> _PodKeys:
+def _pod_keys(prefix: str, model: str, pod: str) -> _PodKeys:
     p = encode_name(pod)
     tag = encode_name(model) + b"@" + p
-    prefix = namespace.encode() + LAYOUT + b":{" + tag + b"}:"
+    prefix = prefix.encode() + b":{" + tag + b"}:"
     return _PodKeys(
         lease=prefix + b"lease",
         reverse=prefix + b"r",
@@ -340,27 +344,105 @@ def _pod_keys(namespace: str, model: str, pod: str) -> _PodKeys:
 # Lua of a holder's own structures, beside ``redis``'s helpers and its layout's link helpers
 # (``links_*``: a holder's engine map and key -> hashes map hold only the links that are not
 # implied, as there). Whether P holds a key is read from its reverse set, not from the blocks.
-_LUA_POD = """
+_LUA_POD_KEYS = """
 local lease, reverse, tier_counts = KEYS[1], KEYS[2], KEYS[3]
 local engine, hashes_of, dirty = KEYS[4], KEYS[5], KEYS[6]
 
--- The reverse-set entries "T K" of keys on tier.
+-- The entries "T K" of keys on tier (the reverse set's members, the dirty set's).
 local function entries(tier, keys)
   local out = {}
   for i, key in ipairs(keys) do out[i] = tier .. ' ' .. key end
   return out
 end
 
+-- redis.call(command, key, list...) in chunks, the integer replies summed.
+local function sum_many(command, key, list)
+  local total = 0
+  for from = 1, #list, 1000 do
+    total = total + redis.call(command, key, unpack(list, from, math.min(from + 999, #list)))
+  end
+  return total
+end
+"""
+
+# A holder's reverse set, in one of two layouts (``RedisClusterIndex``'s ``compact``): a SET of
+# "T K", or per tier T the keys in blob buckets of one hash (fields "T:#" and "T:i", as
+# ``redis``'s buckets). Both give the scripts the same calls: rev_has(tier, keys) -> {key ->
+# true} for those held on tier, rev_add (-> how many were new) and rev_remove of keys on a tier,
+# rev_pop(count) -> up to count entries "T K" taken out, and rev_save (after the calls that
+# change it, before the reverse set's existence is read).
+_LUA_CLUSTER_REVERSE_SET = """
+local function rev_has(tier, keys)
+  local out = {}
+  if #keys == 0 then return out end
+  local member = call_many('SMISMEMBER', reverse, entries(tier, keys))
+  for i, key in ipairs(keys) do
+    if member[i] == 1 then out[key] = true end
+  end
+  return out
+end
+local function rev_add(tier, keys) return sum_many('SADD', reverse, entries(tier, keys)) end
+local function rev_remove(tier, keys) call_many('SREM', reverse, entries(tier, keys)) end
+local function rev_pop(count) return redis.call('SPOP', reverse, count) end
+local function rev_save() end
+"""
+_LUA_CLUSTER_REVERSE_BUCKETS = (
+    _LUA_BLOBS
+    + """
+local opened = {}  -- tier -> its buckets, as read and changed by this call
+local function rev_tier(tier)
+  local b = opened[tier]
+  if not b then
+    b = blob_open(reverse, tier .. ':')
+    opened[tier] = b
+  end
+  return b
+end
+local function rev_has(tier, keys)
+  local b, out = rev_tier(tier), {}
+  if #keys == 0 then return out end
+  blob_load(b, keys, 1, #keys)
+  for _, key in ipairs(keys) do
+    if blob_find(b.blobs[blob_index(b, key)], key) then out[key] = true end
+  end
+  return out
+end
+local function rev_add(tier, keys)
+  local b, added = rev_tier(tier), 0
+  blob_load(b, keys, 1, #keys)
+  for _, key in ipairs(keys) do
+    if blob_add(b, key) then added = added + 1 end
+  end
+  return added
+end
+local function rev_remove(tier, keys)
+  local b = rev_tier(tier)
+  blob_load(b, keys, 1, #keys)
+  for _, key in ipairs(keys) do blob_remove(b, key) end
+end
+local function rev_pop(count)
+  local out = {}
+  for _, tier in ipairs(redis.call('HKEYS', tier_counts)) do
+    if #out >= count then break end
+    for _, key in ipairs(blob_pop(rev_tier(tier), count - #out)) do out[#out + 1] = tier .. ' ' .. key end
+  end
+  return out
+end
+local function rev_save()
+  for _, b in pairs(opened) do blob_save(b) end
+  opened = {}
+end
+"""
+)
+
+_LUA_POD_HELD = """
 -- keys -> true for the keys P holds on some tier other than except (nil: any tier).
 local function held_on(keys, except)
   local out = {}
   if #keys == 0 then return out end
   for _, tier in ipairs(redis.call('HKEYS', tier_counts)) do
     if tier ~= except then
-      local member = call_many('SMISMEMBER', reverse, entries(tier, keys))
-      for i, key in ipairs(keys) do
-        if member[i] == 1 then out[key] = true end
-      end
+      for key in pairs(rev_has(tier, keys)) do out[key] = true end
     end
   end
   return out
@@ -390,24 +472,10 @@ end
 # Returns {0} if another writer holds the lease (nothing done); else {1, {count per op}, 1 if a
 # final C left entries else 0, {dirty "T K" that P holds}, {dirty "T K" it does not}}. Holds the
 # lease when something is dirty, else lets it go.
-_POD_APPLY = _Script(
-    "#!lua\n"
-    + _LUA_HELPERS
-    + _LUA_LAYOUT
-    + _LUA_POD
-    + """
+_POD_APPLY_BODY = """
 local token, ttl = ARGV[1], ARGV[2]
 local holder = redis.call('GET', lease)
 if holder and holder ~= token then return {0} end
-
--- redis.call(command, key, list...) in chunks, the integer replies summed.
-local function sum_many(command, key, list)
-  local total = 0
-  for from = 1, #list, 1000 do
-    total = total + redis.call(command, key, unpack(list, from, math.min(from + 999, #list)))
-  end
-  return total
-end
 
 local function count(tier, delta)
   if delta ~= 0 and redis.call('HINCRBY', tier_counts, tier, delta) <= 0 then
@@ -425,7 +493,6 @@ local function store(at)
     keys[i], hashes[i] = ARGV[K + i], ARGV[H + i]
     if hashes[i] ~= keys[i] then aligned = false end
   end
-  local mine = entries(tier, keys)
   local linked = not aligned or redis.call('EXISTS', engine, hashes_of) > 0
   local lk, words = links_new(engine, hashes_of), {}
   if linked then  -- what the links are and which words P holds, before this store
@@ -438,8 +505,9 @@ local function store(at)
     links_read(lk, {}, words)
     read_held(lk, words)
   end
-  count(tier, sum_many('SADD', reverse, mine))
-  call_many('SADD', dirty, mine)
+  count(tier, rev_add(tier, keys))
+  rev_save()
+  call_many('SADD', dirty, entries(tier, keys))
   if not linked then return n, at + 2 + 2 * n end  -- every link implied
   for i = 1, n do
     local was_held = lk.held[keys[i]]
@@ -465,11 +533,9 @@ local function remove(at)
       cands[#cands + 1] = x
     end
   end
-  local member = call_many('SMISMEMBER', reverse, entries(tier, cands))
-  local elsewhere = held_on(cands, tier)
-  local here = {}
-  for j, x in ipairs(cands) do
-    here[x] = member[j] == 1
+  local here, elsewhere = rev_has(tier, cands), held_on(cands, tier)
+  for _, x in ipairs(cands) do
+    here[x] = here[x] or false
     lk.held[x] = here[x] or elsewhere[x] or false
   end
   links_read(lk, {}, cands)
@@ -492,10 +558,10 @@ local function remove(at)
     end
   end
   if removed == 0 then return 0, last end
-  local gone = entries(tier, dropped)
-  call_many('SREM', reverse, gone)
+  rev_remove(tier, dropped)
+  rev_save()
   count(tier, -removed)
-  call_many('SADD', dirty, gone)
+  call_many('SADD', dirty, entries(tier, dropped))
   links_write(lk)
   return removed, last
 end
@@ -505,7 +571,7 @@ end
 local function clear(at)
   local limit, removed, lk = tonumber(ARGV[at + 1]), 0, links_new(engine, hashes_of)
   while removed < limit do
-    local popped = redis.call('SPOP', reverse, math.min(1000, limit - removed))
+    local popped = rev_pop(math.min(1000, limit - removed))
     if #popped == 0 then break end
     call_many('SADD', dirty, popped)
     local keys, seen, by_tier = {}, {}, {}
@@ -529,6 +595,7 @@ local function clear(at)
     end
     removed = removed + #popped
   end
+  rev_save()
   links_write(lk)
   if redis.call('EXISTS', reverse) == 1 then return removed, true, at + 1 end
   redis.call('DEL', engine, hashes_of, tier_counts)
@@ -558,24 +625,26 @@ if #pending == 0 then
   if holder then redis.call('DEL', lease) end
   return {1, counts, more, held, gone}
 end
-local member = call_many('SMISMEMBER', reverse, pending)
-for i, entry in ipairs(pending) do
-  if member[i] == 1 then held[#held + 1] = entry else gone[#gone + 1] = entry end
+local by_tier = {}
+for _, entry in ipairs(pending) do
+  local tier = string.sub(entry, 1, -10)
+  by_tier[tier] = by_tier[tier] or {}
+  table.insert(by_tier[tier], string.sub(entry, -8))
+end
+for tier, keys in pairs(by_tier) do
+  local here = rev_has(tier, keys)
+  for _, key in ipairs(keys) do
+    if here[key] then held[#held + 1] = tier .. ' ' .. key else gone[#gone + 1] = tier .. ' ' .. key end
+  end
 end
 redis.call('SET', lease, token, 'PX', ttl)
 return {1, counts, more, held, gone}
 """
-)
 
 # KEYS: as _POD_APPLY's. ARGV: engine hashes (8 bytes each). Returns, per hash, the key (8
 # bytes) of the block it points at, or nil: the first of resolve's two rounds (the digest's head
 # is in the block, on its own master).
-_RESOLVE = _Script(
-    "#!lua flags=no-writes\n"
-    + _LUA_HELPERS
-    + _LUA_LAYOUT
-    + _LUA_POD
-    + """
+_RESOLVE_BODY = """
 local lk, hashes = links_new(engine, hashes_of), {}
 for i = 1, #ARGV do hashes[i] = ARGV[i] end
 links_read(lk, hashes, {})
@@ -587,7 +656,27 @@ local out = {}
 for i, h in ipairs(hashes) do out[i] = links_target(lk, h) or false end
 return out
 """
-)
+
+
+@dataclass(frozen=True, slots=True)
+class _HolderScripts:
+    """The holder scripts of one layout (``RedisClusterIndex``'s ``compact``)."""
+
+    apply: _Script
+    resolve: _Script
+
+
+def _holder_scripts(reverse: str) -> _HolderScripts:
+    """The holder scripts, with the reverse-set calls of one layout."""
+    lua = _LUA_HELPERS + _LUA_LAYOUT + _LUA_POD_KEYS + reverse + _LUA_POD_HELD
+    return _HolderScripts(
+        apply=_Script("#!lua\n" + lua + _POD_APPLY_BODY),
+        resolve=_Script("#!lua flags=no-writes\n" + lua + _RESOLVE_BODY),
+    )
+
+
+_FAST_SCRIPTS = _holder_scripts(_LUA_CLUSTER_REVERSE_SET)
+_COMPACT_SCRIPTS = _holder_scripts(_LUA_CLUSTER_REVERSE_BUCKETS)
 
 # KEYS: the lease, the dirty set, the seq. ARGV: writer token ('' when this call holds no lease:
 # progress only), seq ('' for none). Returns 0 if the lease was lost to another writer (nothing
@@ -710,7 +799,7 @@ redis.call('SET', KEYS[1], ARGV[2])
 return 1
 """)
 
-_SCRIPTS = (_POD_APPLY, _RESOLVE, _FINISH, _BLOCKS, _READ, _SPECULATE, _EPOCH_CLAIM)
+_SHARED_SCRIPTS = (_FINISH, _BLOCKS, _READ, _SPECULATE, _EPOCH_CLAIM)
 
 
 # -- rounds ------------------------------------------------------------------------------------------
@@ -800,6 +889,7 @@ class RedisClusterIndex:
         slice_blocks: int = DEFAULT_SLICE_BLOCKS,
         wait_replicas: int = 1,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+        compact: bool = False,
         **client_options: Any,
     ) -> None:
         if not namespace or any(c in namespace for c in "{} ") or not namespace.isprintable():
@@ -817,8 +907,10 @@ class RedisClusterIndex:
         self._wait_ms = int(1000 * min(wait_timeout, socket_timeout / 2 if socket_timeout else wait_timeout))
         self._startup = [ClusterNode(host, port) for host, port in startup_nodes]
         self._options = {"socket_connect_timeout": 5, "health_check_interval": 30, **client_options}
-        self._namespace = namespace
-        self._models_key = namespace.encode() + LAYOUT + b":models"
+        self._prefix = namespace + (COMPACT_LAYOUT if compact else LAYOUT).decode()
+        self._models_key = self._prefix.encode() + b":models"
+        self._scripts = _COMPACT_SCRIPTS if compact else _FAST_SCRIPTS
+        self._all_scripts = (self._scripts.apply, self._scripts.resolve, *_SHARED_SCRIPTS)
         self._models_seen: set[str] = set()
         self._pods_seen: set[tuple[str, str]] = set()
         self._client: RedisCluster | None = None
@@ -841,8 +933,9 @@ class RedisClusterIndex:
         """``redis-cluster://[user:password@]host:port[,host:port...][?option=value...]``: seed
         nodes (any of them reachable is enough). Query options: ``socket_timeout``,
         ``socket_connect_timeout`` and ``wait_timeout`` (seconds), ``wait_replicas`` (0: do not
-        wait for replicas); keyword ``options`` go to ``redis.cluster.RedisCluster`` and lose to
-        the query, as in redis-py."""
+        wait for replicas), ``layout`` (``fast``, the default, or ``compact``: reverse sets in
+        blob buckets, as in ``redis``); keyword ``options`` go to ``redis.cluster.RedisCluster``
+        (but for ``layout``) and lose to the query, as in redis-py."""
         parts = urlsplit(url)
         if parts.scheme.lower() != "redis-cluster":
             raise ValueError(f"not a redis-cluster:// URL: {url!r}")
@@ -862,9 +955,14 @@ class RedisClusterIndex:
                 options[name] = float(value)
             elif name == "wait_replicas":
                 options[name] = int(value)
+            elif name == "layout":
+                options[name] = value
             else:
                 raise ValueError(f"unknown redis-cluster index option {name!r}")
-        return cls(nodes, namespace=namespace, slice_blocks=slice_blocks, **options)
+        layout = options.pop("layout", None) or "fast"
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown index layout {layout!r}; known: {', '.join(LAYOUTS)}")
+        return cls(nodes, namespace=namespace, slice_blocks=slice_blocks, compact=LAYOUTS[layout], **options)
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -887,7 +985,7 @@ class RedisClusterIndex:
         if limit < 1:
             raise ValueError("limit must be >= 1")
         counts = [0]
-        lane = _Lane(model, pod, _pod_keys(self._namespace, model, pod), [b"C", limit], [0])
+        lane = _Lane(model, pod, _pod_keys(self._prefix, model, pod), [b"C", limit], [0])
         more = self._run_phase({(model, pod): lane}, counts)
         return counts[0], not more
 
@@ -945,7 +1043,7 @@ class RedisClusterIndex:
     def clear_model(self, *, model: str) -> int:
         """``clear_pod`` of every holder listed under ``model``; returns the entries removed."""
         pods = self._round(
-            [(_model_keys(self._namespace, model).model_slot, ("SMEMBERS", self._pods_key(model)))]
+            [(_model_keys(self._prefix, model).model_slot, ("SMEMBERS", self._pods_key(model)))]
         )
         holders = sorted(decode_name(p) for p in pods[0])
         return sum(self.apply_updates([ClearPod(model, pod) for pod in holders]))
@@ -955,7 +1053,7 @@ class RedisClusterIndex:
         """Write the marker (module docstring): keep its generation while every witness has it,
         else start a new one; with ``if_absent`` only when the marker reads as absent, by a
         compare-and-set of ``kv.3:{M}:epoch``, then the witnesses."""
-        mk = _model_keys(self._namespace, model)
+        mk = _model_keys(self._prefix, model)
         [(raw, whole)] = self._read_epochs([model])
         if if_absent and whole:
             return False
@@ -981,13 +1079,13 @@ class RedisClusterIndex:
     def resolve(self, *, model: str, pod: str, engine_hashes: Sequence[int]) -> list[Digest | None]:
         if not engine_hashes:
             return []
-        pk = _pod_keys(self._namespace, model, pod)
-        call = ("EVALSHA", _RESOLVE.sha, len(pk.applied), *pk.applied, *_words(engine_hashes))
+        pk = _pod_keys(self._prefix, model, pod)
+        call = ("EVALSHA", self._scripts.resolve.sha, len(pk.applied), *pk.applied, *_words(engine_hashes))
         targets = self._round([(pk.slot, call)])[0]
         found = [key for key in targets if key]
         if not found:
             return [None] * len(targets)
-        prefix = _model_keys(self._namespace, model).block_prefix
+        prefix = _model_keys(self._prefix, model).block_prefix
         values = iter(self._read_tagged(prefix, [int.from_bytes(key, "big") for key in found]))
         out: list[Digest | None] = []
         for key in targets:
@@ -1009,7 +1107,7 @@ class RedisClusterIndex:
         wanted = pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
         if wanted is not None and not wanted:
             return []
-        prefix = _model_keys(self._namespace, model).block_prefix
+        prefix = _model_keys(self._prefix, model).block_prefix
         return _held_run(self._read_tagged(prefix, keys), wanted, HEAD)
 
     @property
@@ -1031,7 +1129,7 @@ class RedisClusterIndex:
         if wanted is not None and not wanted:
             return []
         if self.reads_async and self._client is not None:
-            values = await self._aread_tagged(_model_keys(self._namespace, model).block_prefix, keys)
+            values = await self._aread_tagged(_model_keys(self._prefix, model).block_prefix, keys)
             if values is not None:
                 return _held_run(values, wanted, HEAD)
         return await asyncio.get_running_loop().run_in_executor(
@@ -1041,7 +1139,7 @@ class RedisClusterIndex:
     @_unavailable_on_cluster_error
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         """Every query's keys read in one round: one script call per master, all at once."""
-        prefix = _model_keys(self._namespace, model).block_prefix
+        prefix = _model_keys(self._prefix, model).block_prefix
         wanted = [
             pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
             for _, pods in queries
@@ -1063,7 +1161,7 @@ class RedisClusterIndex:
         """Holders of every key (``{}`` where none): one script call per master, all at once."""
         if not keys:
             return []
-        return _held_each(self._read_tagged(_model_keys(self._namespace, model).block_prefix, keys), HEAD)
+        return _held_each(self._read_tagged(_model_keys(self._prefix, model).block_prefix, keys), HEAD)
 
     @_unavailable_on_cluster_error
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
@@ -1071,7 +1169,7 @@ class RedisClusterIndex:
         points = speculation_points(len(keys))
         if not points or seconds <= 0:
             return
-        prefix = _model_keys(self._namespace, model).speculative_prefix
+        prefix = _model_keys(self._prefix, model).speculative_prefix
         tags = _tags([keys[point] for point in points])
         now = int(time.time() * 1000)
         head = [encode_name(pod), now, now + max(1, int(seconds * 1000))]
@@ -1086,7 +1184,7 @@ class RedisClusterIndex:
         points = speculation_points(len(keys))
         if not points:
             return {}
-        prefix = _model_keys(self._namespace, model).speculative_prefix
+        prefix = _model_keys(self._prefix, model).speculative_prefix
         values = self._read_tagged(prefix, [keys[point] for point in points])
         now = int(time.time() * 1000)
         holders: list[list[str]] = []
@@ -1110,7 +1208,7 @@ class RedisClusterIndex:
         counted = self._round(
             [
                 (pk.slot, ("HGETALL", pk.tier_counts))
-                for pk in (_pod_keys(self._namespace, m, p) for m, p in holders)
+                for pk in (_pod_keys(self._prefix, m, p) for m, p in holders)
             ]
         )
         out: list[PodBlocks] = []
@@ -1127,7 +1225,7 @@ class RedisClusterIndex:
         models = sorted(self._models()) if model is None else [model]
         holders = self._holders(models)
         seqs = self._round(
-            [(pk.slot, ("GET", pk.seq)) for pk in (_pod_keys(self._namespace, m, p) for m, p in holders)]
+            [(pk.slot, ("GET", pk.seq)) for pk in (_pod_keys(self._prefix, m, p) for m, p in holders)]
         )
         return {holder: int(seq) for holder, seq in zip(holders, seqs, strict=True) if seq is not None}
 
@@ -1158,12 +1256,12 @@ class RedisClusterIndex:
     # -- plumbing: the layout ---------------------------------------------------------------------
 
     def _pods_key(self, model: str) -> bytes:
-        return _model_keys(self._namespace, model).pods
+        return _model_keys(self._prefix, model).pods
 
     def _lane(self, lanes: dict[tuple[str, str], _Lane], update: IndexUpdate) -> _Lane:
         lane = lanes.get((update.model, update.pod))
         if lane is None:
-            keys = _pod_keys(self._namespace, update.model, update.pod)
+            keys = _pod_keys(self._prefix, update.model, update.pod)
             lane = lanes[update.model, update.pod] = _Lane(update.model, update.pod, keys)
         return lane
 
@@ -1203,9 +1301,7 @@ class RedisClusterIndex:
         for m, p in sorted(pods):
             by_model.setdefault(m, []).append(encode_name(p))
         for m, encoded in by_model.items():
-            commands.append(
-                (_model_keys(self._namespace, m).model_slot, ("SADD", self._pods_key(m), *encoded))
-            )
+            commands.append((_model_keys(self._prefix, m).model_slot, ("SADD", self._pods_key(m), *encoded)))
         self._round(commands, write=True)
         self._models_seen |= models
         self._pods_seen |= pods
@@ -1219,7 +1315,7 @@ class RedisClusterIndex:
         if not models:
             return []
         listed = self._round(
-            [(_model_keys(self._namespace, m).model_slot, ("SMEMBERS", self._pods_key(m))) for m in models]
+            [(_model_keys(self._prefix, m).model_slot, ("SMEMBERS", self._pods_key(m))) for m in models]
         )
         return sorted((m, decode_name(p)) for m, pods in zip(models, listed, strict=True) for p in pods)
 
@@ -1302,7 +1398,7 @@ class RedisClusterIndex:
         slots = self._witness_slots()
         commands: list[tuple[int, tuple]] = []
         for m in models:
-            mk = _model_keys(self._namespace, m)
+            mk = _model_keys(self._prefix, m)
             commands.append((mk.model_slot, ("GET", mk.epoch)))
             commands += [(s, ("GET", mk.witness_prefix + slot_tag(s) + b"}")) for s in slots]
         replies = self._round(commands)
@@ -1347,7 +1443,7 @@ class RedisClusterIndex:
                         lane.keys.slot,
                         (
                             "EVALSHA",
-                            _POD_APPLY.sha,
+                            self._scripts.apply.sha,
                             len(lane.keys.applied),
                             *lane.keys.applied,
                             token,
@@ -1408,7 +1504,7 @@ class RedisClusterIndex:
     def _block_ops(self, lane: _Lane, held: Iterable[bytes], gone: Iterable[bytes]) -> list[tuple[int, Any]]:
         """The block round's ops for a lane's dirty entries "T K" (K: 8 bytes): (slot, (entry,
         block name, its digest's head to add it with, or ``None`` to remove it))."""
-        prefix = _model_keys(self._namespace, lane.model).block_prefix
+        prefix = _model_keys(self._prefix, lane.model).block_prefix
         pod, heads = lane.keys.pod, lane.heads
         ops = []
         for entries, add in ((held, True), (gone, False)):
@@ -1604,9 +1700,8 @@ class RedisClusterIndex:
         }
         refused = {node: ns for node, ns in refused.items() if ns}
         if refused:
-            self._pipelines(
-                {node: [("SCRIPT", "LOAD", s.source) for s in _SCRIPTS] for node in refused}, write=False
-            )
+            loads = [("SCRIPT", "LOAD", s.source) for s in self._all_scripts]
+            self._pipelines({node: loads for node in refused}, write=False)
             again = self._pipelines(
                 {node: [batches[node][n] for n in ns] for node, ns in refused.items()}, write=write
             )

@@ -461,18 +461,18 @@ local function rev_save(r) end
 local function rev_empty(r) return redis.call('EXISTS', r.key) == 0 end
 local function rev_count(key) return redis.call('SCARD', key) end
 """
-_LUA_REVERSE_BUCKETS = (
+_LUA_BLOBS = (
     """
 local BLOB_FILL, BLOB_LOW = 32, 8
 """
     + """
--- A reverse set in blob buckets: a hash whose field '#' is the state "m s n" and whose field i is
--- bucket i, its members (8-byte keys) concatenated. Member x is in bucket x mod m, or x mod 2m
--- when that is below s (x: its last three bytes). Buckets are read as needed and written back by
--- blob_save.
-local function blob_open(key)
-  local state = redis.call('HGET', key, '#')
-  local b = {key = key, m = 1, s = 0, n = 0, was = state or false, blobs = {}, dirty = {}}
+-- A set of 8-byte keys in blob buckets: fields of a hash, each name after prefix ('' when the
+-- set has the hash to itself): '#' is the state "m s n", i is bucket i, its members concatenated.
+-- Member x is in bucket x mod m, or x mod 2m when that is below s (x: its last three bytes).
+-- Buckets are read as needed and written back by blob_save.
+local function blob_open(key, prefix)
+  local state = redis.call('HGET', key, prefix .. '#')
+  local b = {key = key, prefix = prefix, m = 1, s = 0, n = 0, was = state or false, blobs = {}, dirty = {}}
   if state then
     local m, s, n = string.match(state, '^(%d+) (%d+) (%d+)$')
     b.m, b.s, b.n = tonumber(m), tonumber(s), tonumber(n)
@@ -497,11 +497,13 @@ local function blob_load(b, list, first, last)
     end
   end
   if #want == 0 then return end
-  local got = call_many('HMGET', b.key, want)
+  local fields = {}
+  for j, i in ipairs(want) do fields[j] = b.prefix .. i end
+  local got = call_many('HMGET', b.key, fields)
   for j, i in ipairs(want) do b.blobs[i] = got[j] or '' end
 end
 local function blob_bucket(b, i)
-  if b.blobs[i] == nil then b.blobs[i] = redis.call('HGET', b.key, i) or '' end
+  if b.blobs[i] == nil then b.blobs[i] = redis.call('HGET', b.key, b.prefix .. i) or '' end
   return b.blobs[i]
 end
 -- Where member x is in blob (nil: it is not).
@@ -570,32 +572,41 @@ local function blob_pop(b, count)
   return out
 end
 -- Keep BLOB_LOW .. BLOB_FILL members a bucket on average (splitting, merging), then write the
--- buckets that changed and the state; an empty set goes whole.
+-- buckets that changed and the state; an empty set goes whole (with the hash if it is its own).
 local function blob_save(b)
+  local p, set, gone = b.prefix, {}, {}
   if b.n <= 0 then
-    if b.was then redis.call('DEL', b.key) end
-    return
+    if not b.was then return end
+    if p == '' then return redis.call('DEL', b.key) end
+    gone[1] = p .. '#'
+    for i = 0, b.m + b.s - 1 do gone[#gone + 1] = p .. i end
+    for i in pairs(b.dirty) do
+      if i >= b.m + b.s then gone[#gone + 1] = p .. i end
+    end
+    return call_many('HDEL', b.key, gone)
   end
   while b.n > BLOB_FILL * (b.m + b.s) do blob_split(b) end
   while b.m + b.s > 1 and b.n < BLOB_LOW * (b.m + b.s) do blob_shrink(b) end
   local state = b.m .. ' ' .. b.s .. ' ' .. b.n
-  local set, gone = {}, {}
-  if state ~= b.was then set[1], set[2] = '#', state end
+  if state ~= b.was then set[1], set[2] = p .. '#', state end
   for i in pairs(b.dirty) do
     if i >= b.m + b.s or b.blobs[i] == '' then
-      gone[#gone + 1] = i
+      gone[#gone + 1] = p .. i
     else
-      set[#set + 1] = i
+      set[#set + 1] = p .. i
       set[#set + 1] = b.blobs[i]
     end
   end
   call_many('HSET', b.key, set)
   call_many('HDEL', b.key, gone)
 end
-
 """
+)
+_LUA_REVERSE_BUCKETS = (
+    _LUA_BLOBS
     + """
-local rev_open, rev_pop, rev_save = blob_open, blob_pop, blob_save
+local function rev_open(key) return blob_open(key, '') end
+local rev_pop, rev_save = blob_pop, blob_save
 local function rev_add(r, list, first, last)
   blob_load(r, list, first, last)
   for i = first, last do blob_add(r, list[i]) end

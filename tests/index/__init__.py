@@ -61,11 +61,13 @@ def assert_cluster_consistent(masters: list) -> None:
     hashes_of: dict[tuple[bytes, bytes], dict[bytes, bytes]] = {}
     leftovers = []
     for server in masters:
-        for name in server.scan_iter(match=b"kv.3:*", count=1000):
+        for name in server.scan_iter(match=b"kv.3*", count=1000):
+            layout, _, name = name.partition(b":")  # kv.3 or kv.3c (compact): one of them per test
+            name = b"kv.3:" + name
             if b":b:{" in name:
                 model, _, tag = name[5:-1].partition(b":b:{")
                 key = base64.urlsafe_b64decode(b"A" + tag + b"=")[1:]
-                value = server.get(name)
+                value = server.get(layout + name[4:])
                 head, entries = value[:24], value[24:]
                 assert len(head) == 24 and entries and not entries.startswith(b" ")
                 blocks |= {(model, key, entry) for entry in entries.split(b" ")}
@@ -74,17 +76,33 @@ def assert_cluster_consistent(masters: list) -> None:
                 continue  # model-wide keys: pods set, epoch marker
             tag, _, kind = name[6:].partition(b"}:")
             model, _, pod = tag.partition(b"@")
-            if kind == b"r":
+            if kind == b"r" and layout == b"kv.3c":  # per tier T: "T:#" -> "m s n", "T:i" -> keys
+                buckets = server.hgetall(layout + name[4:])
+                for field, value in buckets.items():
+                    tier, _, i = field.rpartition(b":")
+                    if i == b"#":
+                        m, s, n = map(int, value.split())
+                        held = [buckets.get(tier + b":%d" % j, b"") for j in range(m + s)]
+                        assert sum(map(len, held)) == 8 * n and n <= 32 * (m + s)
+                        assert m + s == 1 or n >= 8 * (m + s)
+                        assert all(len(blob) % 8 == 0 for blob in held)
+                        for blob in held:
+                            for at in range(0, len(blob), 8):
+                                reverse.add((model, blob[at : at + 8], pod + b"@" + tier))
+                    else:
+                        m, s, _ = map(int, buckets[tier + b":#"].split())
+                        assert int(i) < m + s  # a bucket of its tier's state
+            elif kind == b"r":
                 for entry in server.smembers(name):
                     reverse.add((model, entry[-8:], pod + b"@" + entry[:-9]))
             elif kind == b"n":
-                counts[model, pod] = {t: int(n) for t, n in server.hgetall(name).items()}
+                counts[model, pod] = {t: int(n) for t, n in server.hgetall(layout + name[4:]).items()}
             elif kind == b"e":
-                engine_maps[model, pod] = server.hgetall(name)
+                engine_maps[model, pod] = server.hgetall(layout + name[4:])
             elif kind == b"k":
-                hashes_of[model, pod] = server.hgetall(name)
+                hashes_of[model, pod] = server.hgetall(layout + name[4:])
             elif kind in (b"d", b"lease"):
-                leftovers.append(name)
+                leftovers.append(layout + name[4:])
     assert leftovers == []
     assert blocks == reverse
     by_tier: dict[tuple[bytes, bytes], dict[bytes, int]] = {}

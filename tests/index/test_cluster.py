@@ -51,6 +51,19 @@ def index(cluster: ValkeyCluster) -> Iterator[RedisClusterIndex]:
     idx.close()
 
 
+@pytest.fixture(params=["fast", "compact"])
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def either(cluster: ValkeyCluster, layout: str) -> Iterator[RedisClusterIndex]:
+    """An index in either layout."""
+    idx = RedisClusterIndex.from_url(f"{cluster.url}?layout={layout}")
+    yield idx
+    idx.close()
+
+
 def masters(cluster: ValkeyCluster) -> list[redis.Redis]:
     return [cluster.clients[p] for p in cluster.master_ports()]
 
@@ -280,10 +293,19 @@ def test_a_batch_of_writes_is_a_pod_round_a_block_round_and_a_finish_round(
 
 
 def test_agrees_with_the_memory_index_and_stays_consistent_on_a_random_workload(
-    index: RedisClusterIndex, cluster: ValkeyCluster
+    either: RedisClusterIndex, cluster: ValkeyCluster
 ) -> None:
     agrees_with_the_memory_index(
-        index, steps=200, check=lambda: assert_cluster_consistent(masters(cluster)), check_every=20
+        either, steps=200, check=lambda: assert_cluster_consistent(masters(cluster)), check_every=20
+    )
+
+
+def test_agrees_with_the_memory_index_with_pods_of_hundreds_of_blocks(
+    either: RedisClusterIndex, cluster: ValkeyCluster
+) -> None:
+    """Reverse sets large enough that the compact layout's buckets split and merge."""
+    agrees_with_the_memory_index(
+        either, steps=60, check=lambda: assert_cluster_consistent(masters(cluster)), check_every=15, scale=40
     )
 
 
@@ -387,9 +409,10 @@ def test_readers_see_writes_half_applied_but_only_ever_a_leading_run(cluster: Va
     assert_cluster_consistent(masters(cluster))
 
 
-def test_a_concurrent_clear_and_store_of_one_pod_leave_no_orphan(cluster: ValkeyCluster) -> None:
+def test_a_concurrent_clear_and_store_of_one_pod_leave_no_orphan(cluster: ValkeyCluster, layout: str) -> None:
     """Ingest storing a pod while the web process clears it: the lease serialises their phases."""
-    ingest, web = RedisClusterIndex.from_url(cluster.url), RedisClusterIndex.from_url(cluster.url)
+    url = f"{cluster.url}?layout={layout}"
+    ingest, web = RedisClusterIndex.from_url(url), RedisClusterIndex.from_url(url)
     blocks = adopted(600)
     errors: list[BaseException] = []
 
@@ -417,7 +440,8 @@ def test_a_concurrent_clear_and_store_of_one_pod_leave_no_orphan(cluster: Valkey
     assert_cluster_consistent(masters(cluster))
     web.clear_pod(pod="pod1", model=MODEL)
     assert web.pod_blocks() == []
-    assert all_keys(cluster).keys() <= {b"kv.3:models", b"kv.3:{" + encode_name(MODEL) + b"}:pods"}
+    prefix = b"kv.3c" if layout == "compact" else b"kv.3"
+    assert all_keys(cluster).keys() <= {prefix + b":models", prefix + b":{" + encode_name(MODEL) + b"}:pods"}
     ingest.close()
     web.close()
 
@@ -438,10 +462,11 @@ def crash_before_the_block_round(index: RedisClusterIndex, monkeypatch: pytest.M
 
 
 def test_a_writer_that_stops_mid_phase_is_taken_over_by_the_next_and_leaves_no_orphan(
-    cluster: ValkeyCluster, monkeypatch: pytest.MonkeyPatch
+    cluster: ValkeyCluster, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
     monkeypatch.setattr(cluster_module, "LEASE_SECONDS", 0.5)
-    dying, survivor = RedisClusterIndex.from_url(cluster.url), RedisClusterIndex.from_url(cluster.url)
+    url = f"{cluster.url}?layout={layout}"
+    dying, survivor = RedisClusterIndex.from_url(url), RedisClusterIndex.from_url(url)
     first, second = adopted(50, seed=1), adopted(50, seed=2)
     dying.store(model=MODEL, pod="pod1", tier="gpu", blocks=first)
     crash_before_the_block_round(dying, monkeypatch)
@@ -452,8 +477,9 @@ def test_a_writer_that_stops_mid_phase_is_taken_over_by_the_next_and_leaves_no_o
         )
 
     # The pod round ran (the reverse set, dirty set and lease say so), the block round did not.
+    prefix = b"kv.3c" if layout == "compact" else b"kv.3"
     assert sorted(n for n in all_keys(cluster) if n.endswith((b"}:d", b"}:lease"))) == [
-        b"kv.3:{" + encode_name(MODEL) + b"@pod1}:" + kind for kind in (b"d", b"lease")
+        prefix + b":{" + encode_name(MODEL) + b"@pod1}:" + kind for kind in (b"d", b"lease")
     ]
     assert len(survivor.lookup(model=MODEL, keys=keys(first))) == 50
     assert survivor.lookup(model=MODEL, keys=keys(second)) == []

@@ -24,7 +24,9 @@ GPU = frozenset({"gpu"})
 CPU = frozenset({"cpu"})
 
 
-@pytest.fixture(params=["memory", "memory-max-bytes", "redis", "redis-compact", "redis-cluster"])
+@pytest.fixture(
+    params=["memory", "memory-max-bytes", "redis", "redis-compact", "redis-cluster", "redis-cluster-compact"]
+)
 def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     if request.param == "memory":
         # Its bound on entries per key is its own (test_memory); 50 writers x 2 tiers must fit.
@@ -34,6 +36,8 @@ def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
         idx = MemoryIndex(pod_cache_size=1000, max_bytes=64 << 20)
     elif request.param == "redis-cluster":
         idx = open_index(request.getfixturevalue("redis_cluster_url"))
+    elif request.param == "redis-cluster-compact":
+        idx = open_index(request.getfixturevalue("redis_cluster_url") + "?layout=compact")
     elif request.param == "redis-compact":
         idx = open_index(request.getfixturevalue("redis_url") + "?layout=compact")
     else:
@@ -42,13 +46,15 @@ def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     idx.close()
 
 
-@pytest.fixture(params=["memory", "redis", "redis-compact", "redis-cluster"])
+@pytest.fixture(params=["memory", "redis", "redis-compact", "redis-cluster", "redis-cluster-compact"])
 def tiny_slices(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     """An index that cuts every write into slices of at most 3 blocks, hashes or entries."""
     if request.param == "memory":
         idx: KVIndex = MemoryIndex(pod_cache_size=1000, slice_blocks=3)
     elif request.param == "redis-cluster":
         idx = open_index(request.getfixturevalue("redis_cluster_url"), slice_blocks=3)
+    elif request.param == "redis-cluster-compact":
+        idx = open_index(request.getfixturevalue("redis_cluster_url"), slice_blocks=3, layout="compact")
     elif request.param == "redis-compact":
         idx = open_index(request.getfixturevalue("redis_url"), slice_blocks=3, layout="compact")
     else:

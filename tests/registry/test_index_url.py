@@ -21,18 +21,18 @@ def test_the_backend_setting_names_the_index(settings, backend, expected):
     assert index_url() == expected
 
 
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster://10.0.0.1:6379"])
 @pytest.mark.parametrize("layout", ["fast", "compact"])
-def test_the_one_server_index_takes_its_layout_from_the_setting(settings, layout):
-    settings.KVCACHE_INDEX_BACKEND, settings.KVCACHE_INDEX_LAYOUT = "redis", layout
+def test_a_redis_index_takes_its_layout_from_the_setting(settings, backend, layout):
+    settings.KVCACHE_INDEX_BACKEND, settings.KVCACHE_INDEX_LAYOUT = backend, layout
     assert index_options() == {"layout": layout}
 
 
-@pytest.mark.parametrize("backend", ["memory", "redis-cluster://10.0.0.1:6379"])
-def test_the_compact_layout_is_the_one_server_index_s_only(settings, backend):
-    settings.KVCACHE_INDEX_BACKEND, settings.KVCACHE_INDEX_LAYOUT = backend, "fast"
+def test_the_in_process_index_has_one_layout(settings):
+    settings.KVCACHE_INDEX_BACKEND, settings.KVCACHE_INDEX_LAYOUT = "memory", "fast"
     assert index_options() == {}
     settings.KVCACHE_INDEX_LAYOUT = "compact"
-    with pytest.raises(ValueError, match="for KVCACHE_INDEX_BACKEND=redis only"):
+    with pytest.raises(ValueError, match="is for a Redis index"):
         index_options()
 
 
