@@ -19,7 +19,8 @@ ingest`` runs), for each backend, worker count and process count (``--processes`
 
 Backends: ``memory``; ``redis``, one Valkey server on ``--base-port`` (or ``--redis-url``), and
 ``redis-compact``, the same with the index's compact layout (``scoring/index/redis.py``);
-``cluster``, a 3-master Valkey Cluster on the three ports after it (``bench/cluster.py``).
+``cluster``, a 3-master Valkey Cluster on the three ports after it (``bench/cluster.py``), and
+``cluster-compact``, the same with the compact layout (``scoring/index/cluster.py``).
 The ingest pipeline binds ``--base-port + 30``.
 
     .venv/bin/python bench/ingest.py [--backends memory,redis,cluster] [--workers 1,2,4]
@@ -254,7 +255,7 @@ def run_case(url: str, workers: int, processes: int, args, streams, servers: Ser
     pub.close(0)
     ctx.term()
     if servers and servers.kind == "cluster":
-        counts = servers.key_counts(b"kv.3:bench%2Fmodel:b:{*")
+        counts = servers.key_counts(b"kv.3*:bench%2Fmodel:b:{*")
         costs |= {"block_keys_per_master": counts, "balance_pct": round(balance(counts), 1)}
     return {
         "workers": workers,
@@ -316,7 +317,7 @@ def main() -> None:
                     if kind not in started:
                         started[kind] = Servers(kind, args.base_port)
                     servers = started[kind]
-                    url = servers.url + ("?layout=compact" if backend == "redis-compact" else "")
+                    url = servers.url + ("?layout=compact" if backend.endswith("-compact") else "")
                 if servers:
                     servers.flush()
                 run = run_case(url, workers, processes, args, streams, servers)
