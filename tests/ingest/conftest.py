@@ -123,15 +123,17 @@ class Harness:
         self.context.destroy(linger=0)  # a failed test must not leave term() waiting
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "redis-cluster-compact"])
 def index(request) -> Iterator[KVIndex]:
-    """Each backend in turn: the write path must behave the same on all of them."""
+    """Each backend in turn: the write path must behave the same on all of them (the cluster in
+    both layouts: its holder scripts differ)."""
     if request.param == "memory":
         url = "memory://"
+    elif request.param.startswith("redis-cluster"):
+        url = request.getfixturevalue("redis_cluster_url")
+        url += "?layout=compact" if request.param.endswith("-compact") else ""
     else:
-        url = request.getfixturevalue(
-            "redis_cluster_url" if request.param == "redis-cluster" else "redis_url"
-        )
+        url = request.getfixturevalue("redis_url")
     idx = open_index(url)
     yield idx
     idx.close()
