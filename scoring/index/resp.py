@@ -40,11 +40,12 @@ def pack(args: tuple[bytes, ...] | list[bytes]) -> bytes:
 
 
 class _Replies(asyncio.Protocol):
-    """One connection's replies, handed to the waiting calls in the order they were sent."""
+    """One connection's replies, handed to the waiting calls in the order they were sent: each
+    call waits for one reply, or for a list of ``count`` (pipelined commands)."""
 
     def __init__(self) -> None:
         self.reader = hiredis.Reader()
-        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.waiting: deque[tuple[asyncio.Future[Any], int, list[Any]]] = deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
 
@@ -57,7 +58,13 @@ class _Replies(asyncio.Protocol):
             if not self.waiting:  # a reply nobody asked for: this connection cannot be trusted
                 self.abort(ConnectionError("the index sent a reply no call was waiting for"))
                 return
-            waiter = self.waiting.popleft()
+            waiter, count, got = self.waiting[0]
+            if count > 1:
+                got.append(reply)
+                if len(got) < count:
+                    continue
+                reply = got
+            self.waiting.popleft()
             if not waiter.done():  # a call that timed out still holds its place in the order
                 waiter.set_result(reply)
 
@@ -67,7 +74,7 @@ class _Replies(asyncio.Protocol):
     def fail(self, error: Exception) -> None:
         self.closed = True
         while self.waiting:
-            waiter = self.waiting.popleft()
+            waiter, _, _ = self.waiting.popleft()
             if not waiter.done():
                 waiter.set_exception(error)
 
@@ -134,15 +141,27 @@ class ReadConnection:
             raise reply
         return reply
 
+    async def execute_many(self, commands: bytes, count: int) -> list[Any]:
+        """Send ``count`` commands, packed one after another in ``commands``, at once, and return
+        their replies in order, an error reply as a ``ReplyError`` in its place (not raised);
+        ``ConnectionError``, ``OSError`` or ``TimeoutError`` as ``execute``."""
+        if count < 1:
+            return []
+        replies = self._replies
+        if replies is None or replies.closed:
+            replies = await self._connect()
+        reply = await self._send(replies, commands, count)
+        return reply if count > 1 else [reply]
+
     def close(self) -> None:
         if self._replies is not None:
             self._replies.abort(ConnectionError("the read connection was closed"))
             self._replies = None
 
-    async def _send(self, replies: _Replies, command: bytes) -> Any:
+    async def _send(self, replies: _Replies, command: bytes, count: int = 1) -> Any:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        replies.waiting.append(waiter)
+        replies.waiting.append((waiter, count, []))
         replies.transport.write(command)  # type: ignore[union-attr]
         expiry = loop.call_later(self.timeout, self._expire, replies, waiter)
         try:

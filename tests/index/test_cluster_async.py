@@ -1,7 +1,7 @@
 """The cluster index's lookups on an event loop (``RedisClusterIndex.alookup``), against the real
-3-master cluster: the same answers as ``lookup``, one read script per master per call on one
-connection per master per loop, and the sync path taking over a call when a connection breaks,
-a slot moved or the scripts were lost."""
+3-master cluster: the same answers as ``lookup``, one pipeline of ``GET``s per master per call on
+one connection per master per loop, and the sync path taking over a call when a connection breaks
+or a slot moved."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from redis.crc import key_slot
 
 from scoring.index import IndexUnavailable, StoredBlock
 from scoring.index.cluster import RedisClusterIndex
+from scoring.index.resp import ReadConnection
 from tests.index import MODEL, chain, keys, tag
 from tests.servers import ValkeyCluster
 
@@ -70,9 +71,10 @@ def queries(blocks: list[StoredBlock], count: int, *, seed: int = 3) -> list[tup
     return out
 
 
-def evalsha_calls(cluster: ValkeyCluster) -> dict[int, int]:
+def calls(cluster: ValkeyCluster, command: str) -> dict[int, int]:
+    """Per master, how many times it ran ``command`` (``INFO commandstats``)."""
     return {
-        port: cluster.clients[port].info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+        port: cluster.clients[port].info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
         for port in cluster.master_ports()
     }
 
@@ -127,19 +129,32 @@ def test_alookup_answers_as_lookup_does_for_many_queries(
     assert asyncio.run(scenario()) == expected
 
 
-def test_a_lookup_is_one_read_script_per_master_sent_to_all_at_once(
+def test_a_lookup_is_a_get_per_key_pipelined_to_each_master_and_no_script(
     index: RedisClusterIndex, cluster: ValkeyCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     blocks = chain(128)
     index.store(model=MODEL, pod="pod1", tier="gpu", blocks=blocks)
     warm(index, blocks)
     no_thread(index, monkeypatch)
-    before = evalsha_calls(cluster)
+    before = {command: calls(cluster, command) for command in ("get", "evalsha")}
+    sent = []
+    execute_many = ReadConnection.execute_many
+
+    async def recorded(self, commands: bytes, count: int) -> list:
+        sent.append(count)
+        return await execute_many(self, commands, count)
+
+    monkeypatch.setattr(ReadConnection, "execute_many", recorded)
 
     assert asyncio.run(index.alookup(model=MODEL, keys=keys(blocks))) == [{"pod1": GPU}] * 128
 
-    after = evalsha_calls(cluster)
-    assert {port: after[port] - before[port] for port in after} == dict.fromkeys(after, 1)
+    gets, scripts = (
+        {port: now - before[command][port] for port, now in calls(cluster, command).items()}
+        for command in ("get", "evalsha")
+    )
+    assert sum(gets.values()) == 128 and all(gets.values())  # every master serves some keys
+    assert sorted(sent) == sorted(gets.values())  # one pipeline per master
+    assert set(scripts.values()) == {0}
 
 
 def test_concurrent_calls_share_one_connection_per_master_and_each_gets_its_own_answer(
@@ -216,7 +231,7 @@ def test_a_moved_slot_goes_through_the_sync_path_once_then_the_new_owner_is_read
     assert fallbacks == [1]  # the first call refreshed the slot map; the others read on the loop
 
 
-def test_scripts_lost_by_the_masters_go_through_the_sync_path_which_loads_them(
+def test_masters_that_lost_the_scripts_are_still_read_on_the_loop(
     index: RedisClusterIndex, cluster: ValkeyCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     blocks = chain(30)
@@ -224,12 +239,8 @@ def test_scripts_lost_by_the_masters_go_through_the_sync_path_which_loads_them(
     warm(index, blocks)
     for server in masters(cluster):
         server.script_flush()
-
-    async def scenario() -> list:
-        return [await index.alookup(model=MODEL, keys=keys(blocks)) for _ in range(2)]
-
-    assert asyncio.run(scenario()) == [[{"pod1": GPU}] * 30] * 2
     no_thread(index, monkeypatch)
+
     assert asyncio.run(index.alookup(model=MODEL, keys=keys(blocks))) == [{"pod1": GPU}] * 30
 
 

@@ -57,6 +57,33 @@ def test_an_error_reply_is_raised_and_the_connection_goes_on(redis_url: str) -> 
     assert run(scenario()) == b"v"
 
 
+def test_pipelined_commands_answer_a_list_in_order_among_single_calls(redis_url: str) -> None:
+    """``execute_many``: several commands in one write, their replies one list (an error reply in
+    its place, not raised), interleaved with single calls on the same connection."""
+    client = redis.Redis.from_url(redis_url)
+    client.mset({f"k{i}": f"v{i}" for i in range(100)})
+    connection = ReadConnection.from_url(redis_url, timeout=5, connect_timeout=5)
+
+    async def many(wanted: list[int]) -> tuple[list[int], list]:
+        await asyncio.sleep(random.random() / 100)
+        commands = b"".join(pack((b"GET", f"k{i}".encode())) for i in wanted)
+        return wanted, await connection.execute_many(commands, len(wanted))
+
+    async def scenario() -> list:
+        asks = [random.sample(range(120), random.randint(1, 30)) for _ in range(100)]
+        singles = [connection.execute(b"GET", f"k{i}".encode()) for i in range(100)]
+        answers = await asyncio.gather(*(many(wanted) for wanted in asks), *singles)
+        errors = await connection.execute_many(pack((b"GET", b"k1")) + pack((b"NO-SUCH-COMMAND",)), 2)
+        return [answers, errors, await connection.execute_many(b"", 0)]
+
+    answers, errors, nothing = run(scenario())
+    for wanted, values in answers[:100]:
+        assert values == [f"v{i}".encode() if i < 100 else None for i in wanted]
+    assert answers[100:] == [f"v{i}".encode() for i in range(100)]
+    assert errors[0] == b"v1" and isinstance(errors[1], ReplyError)
+    assert nothing == []
+
+
 GUARDED = ("--appendonly", "no", "--requirepass", "s3cret")
 
 
