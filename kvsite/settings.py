@@ -4,7 +4,7 @@
 |---|---|---|
 | REDIS_URL | redis://127.0.0.1:6379/0 | the shared index and the channel layer |
 | KVCACHE_INDEX_BACKEND | redis | ``redis``, ``redis-cluster://h:p,h:p``, ``memory`` or ``memory://?...`` |
-| KVCACHE_INDEX_LAYOUT | fast | the one-server index's layout: ``fast`` or ``compact`` |
+| KVCACHE_INDEX_LAYOUT | fast | a Redis index's layout (one server or a cluster): ``fast`` or ``compact`` |
 | KVCACHE_INDEX_TIMEOUT | 1.0 | seconds a Redis index may take to connect or reply (then 503) |
 | KVCACHE_INGEST_INDEX_TIMEOUT | 10.0 | the same for ``ingest``, whose writes may queue behind others |
 | DATABASE_URL | sqlite:///var/db.sqlite3 | pod registry, model configs, hash seed |
