@@ -576,14 +576,17 @@ end
 local function blob_save(b)
   local p, set, gone = b.prefix, {}, {}
   if b.n <= 0 then
-    if not b.was then return end
-    if p == '' then return redis.call('DEL', b.key) end
-    gone[1] = p .. '#'
-    for i = 0, b.m + b.s - 1 do gone[#gone + 1] = p .. i end
-    for i in pairs(b.dirty) do
-      if i >= b.m + b.s then gone[#gone + 1] = p .. i end
+    if b.was and p == '' then
+      redis.call('DEL', b.key)
+    elseif b.was then
+      gone[1] = p .. '#'
+      for i = 0, b.m + b.s - 1 do gone[#gone + 1] = p .. i end
+      for i in pairs(b.dirty) do
+        if i >= b.m + b.s then gone[#gone + 1] = p .. i end
+      end
+      call_many('HDEL', b.key, gone)
     end
-    return call_many('HDEL', b.key, gone)
+    return
   end
   while b.n > BLOB_FILL * (b.m + b.s) do blob_split(b) end
   while b.m + b.s > 1 and b.n < BLOB_LOW * (b.m + b.s) do blob_shrink(b) end
