@@ -529,14 +529,7 @@ local function remove(at)
   local lk, hashes = links_new(engine, hashes_of), {}
   for i = first, last do hashes[#hashes + 1] = ARGV[i] end
   links_read(lk, hashes, {})
-  local cands, seen = {}, {}
-  for _, h in ipairs(hashes) do
-    local x = lk.E[h] or h
-    if not seen[x] then
-      seen[x] = true
-      cands[#cands + 1] = x
-    end
-  end
+  local cands = links_candidates(lk, hashes)
   local here, elsewhere = rev_has(tier, cands), held_on(cands, tier)
   for _, x in ipairs(cands) do
     here[x] = here[x] or false
@@ -555,10 +548,7 @@ local function remove(at)
       here[key] = false
       removed = removed + 1
       dropped[#dropped + 1] = key
-      if not elsewhere[key] then
-        local list = links_forget(lk, key)
-        for w = 1, #list, 8 do unknown[string.sub(list, w, w + 7)] = true end
-      end
+      if not elsewhere[key] then links_drop(lk, key, unknown) end
     end
   end
   if removed == 0 then return 0, last end
@@ -733,16 +723,7 @@ at = 1
 while at <= #ARGV do
   local entry, adds, drops = ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
   for i = at + 3, at + 2 + adds do
-    local name, head = ARGV[i], ARGV[i + adds]
-    local cur = after[name]
-    if not cur then
-      after[name] = head .. entry
-    else
-      local rest = entries_of(cur)
-      if not has_word(rest, entry) then rest = rest .. ' ' .. entry end
-      if string.sub(cur, 1, HEAD) == NO_HEAD then cur = head end
-      after[name] = string.sub(cur, 1, HEAD) .. rest
-    end
+    after[ARGV[i]] = with_entry(after[ARGV[i]], ARGV[i + adds], entry)
   end
   for i = at + 3 + 2 * adds, at + 2 + 2 * adds + drops do
     local cur = after[ARGV[i]]

@@ -363,6 +363,15 @@ _LUA_LAYOUT = """
 local HEAD, NO_HEAD = 24, string.rep(string.char(0), 24)
 -- The entries of a block's value (after the digest head).
 local function entries_of(value) return string.sub(value, HEAD + 1) end
+-- A block's value (false: none yet) with entry added and its digest's head kept, or head where
+-- that was all zero (a key adopted by engine hash, then stored with a chain's digest).
+local function with_entry(value, head, entry)
+  if not value then return head .. entry end
+  local rest = entries_of(value)
+  if not has_word(rest, entry) then rest = rest .. ' ' .. entry end
+  if string.sub(value, 1, HEAD) == NO_HEAD then value = head end
+  return string.sub(value, 1, HEAD) .. rest
+end
 
 -- Where the 8-byte word w is in the concatenated words of list (nil: it is not).
 local function find_word8(list, w)
@@ -447,6 +456,25 @@ end
 local function links_write(lk)
   write_fields(lk.engine, lk.E, lk.E0)
   write_fields(lk.hashes_of, lk.L, lk.L0)
+end
+-- The keys that hashes (E read for them) may point at, each once, in order: the explicit link,
+-- else the hash itself (an implied link, if the pod holds it).
+local function links_candidates(lk, hashes)
+  local cands, seen = {}, {}
+  for _, h in ipairs(hashes) do
+    local x = lk.E[h] or h
+    if not seen[x] then
+      seen[x] = true
+      cands[#cands + 1] = x
+    end
+  end
+  return cands
+end
+-- The pod stops holding key x in a remove: its hashes go (links_forget) and are marked in
+-- unknown, so that a later hash of the same call among them removes nothing.
+local function links_drop(lk, x, unknown)
+  local list = links_forget(lk, x)
+  for at = 1, #list, 8 do unknown[string.sub(list, at, at + 7)] = true end
 end
 """
 
@@ -652,14 +680,7 @@ local function run()
       cur = before[i] or false
       held_before[key] = cur and has_prefix(entries_of(cur), pod_prefix) or false
     end
-    if not cur then
-      after[name] = head .. field
-    else
-      local rest = entries_of(cur)
-      if not has_word(rest, field) then rest = rest .. ' ' .. field end
-      if string.sub(cur, 1, HEAD) == NO_HEAD then cur = head end
-      after[name] = string.sub(cur, 1, HEAD) .. rest
-    end
+    after[name] = with_entry(cur, head, field)
     if ARGV[H + i] ~= key then aligned = false end
   end
   save_blocks(names, before, after)
@@ -729,14 +750,7 @@ local function run()
   local hashes = {}
   for i = 4, last do hashes[#hashes + 1] = ARGV[i] end
   links_read(lk, hashes, {})
-  local cands, seen = {}, {}
-  for _, h in ipairs(hashes) do
-    local x = lk.E[h] or h
-    if not seen[x] then
-      seen[x] = true
-      cands[#cands + 1] = x
-    end
-  end
+  local cands = links_candidates(lk, hashes)
   local names = {}
   for j, x in ipairs(cands) do names[j] = block_prefix .. x end
   local before = call_many('MGET', nil, names)
@@ -763,10 +777,7 @@ local function run()
         after[name] = rest and (string.sub(cur, 1, HEAD) .. rest)
         removed = removed + 1
         dropped[#dropped + 1] = key
-        if not (rest and has_prefix(rest, pod_prefix)) then
-          local list = links_forget(lk, key)
-          for at = 1, #list, 8 do unknown[string.sub(list, at, at + 7)] = true end
-        end
+        if not (rest and has_prefix(rest, pod_prefix)) then links_drop(lk, key, unknown) end
       end
     end
   end
