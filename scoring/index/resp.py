@@ -45,7 +45,8 @@ class _Replies(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.reader = hiredis.Reader()
-        self.waiting: deque[tuple[asyncio.Future[Any], int, list[Any]]] = deque()
+        # (waiter, replies it waits for, those read so far: None for a single reply)
+        self.waiting: deque[tuple[asyncio.Future[Any], int, list[Any] | None]] = deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
 
@@ -59,7 +60,7 @@ class _Replies(asyncio.Protocol):
                 self.abort(ConnectionError("the index sent a reply no call was waiting for"))
                 return
             waiter, count, got = self.waiting[0]
-            if count > 1:
+            if got is not None:
                 got.append(reply)
                 if len(got) < count:
                     continue
@@ -161,7 +162,7 @@ class ReadConnection:
     async def _send(self, replies: _Replies, command: bytes, count: int = 1) -> Any:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        replies.waiting.append((waiter, count, []))
+        replies.waiting.append((waiter, count, [] if count > 1 else None))
         replies.transport.write(command)  # type: ignore[union-attr]
         expiry = loop.call_later(self.timeout, self._expire, replies, waiter)
         try:
