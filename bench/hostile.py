@@ -37,9 +37,9 @@ import zmq  # noqa: E402
 from bench.faults import SEED, Valkey, free_port, project_env, wait_for  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, encode_message  # noqa: E402
-from scoring.index import open_index  # noqa: E402
-from scoring.keys import chain_digests, key_of, root_digest  # noqa: E402
-from scoring.streams import STATS_KEY  # noqa: E402
+from kvindex import open_index  # noqa: E402
+from kvindex.keys import chain_digests, key_of, root_digest  # noqa: E402
+from kvindex.shared_stats import STATS_KEY  # noqa: E402
 
 MODEL = "bench/hostile"
 BLOCK = 16

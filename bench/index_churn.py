@@ -1,5 +1,5 @@
 """One server's index under churn: a pod that stores new blocks and loses old ones, as an engine
-whose cache is full does. Server CPU per block, in each layout (``scoring/index/redis.py``).
+whose cache is full does. Server CPU per block, in each layout (``kvindex/redis.py``).
 
 A throwaway Valkey server (``bench/cluster.py``'s ``Servers``, on ``--base-port``). Per case: one
 pod is filled with ``--blocks`` aligned chained blocks (16-block stores), then ``--steps`` steps
@@ -48,9 +48,9 @@ if ARGS.tree:
 
 from bench.cluster import Servers  # noqa: E402
 from bench.machine import machine  # noqa: E402
-from scoring.index import open_index  # noqa: E402
-from scoring.index.base import StoredBlock  # noqa: E402
-from scoring.keys import chain_digests, key_of, root_digest  # noqa: E402
+from kvindex import open_index  # noqa: E402
+from kvindex.base import StoredBlock  # noqa: E402
+from kvindex.keys import chain_digests, key_of, root_digest  # noqa: E402
 
 BATCH = 16
 

@@ -44,8 +44,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.machine import machine  # noqa: E402
-from scoring.index import KVIndex, StoredBlock, open_index  # noqa: E402
-from scoring.keys import chain_digests, key_of, root_digest  # noqa: E402
+from kvindex import KVIndex, StoredBlock, open_index  # noqa: E402
+from kvindex.keys import chain_digests, key_of, root_digest  # noqa: E402
 
 MODEL = "bench/model"
 STORE_BLOCKS = 65_536

@@ -18,9 +18,9 @@ ingest`` runs), for each backend, worker count and process count (``--processes`
    index (with worker processes, only when their stats reach the parent's).
 
 Backends: ``memory``; ``redis``, one Valkey server on ``--base-port`` (or ``--redis-url``), and
-``redis-compact``, the same with the index's compact layout (``scoring/index/redis.py``);
+``redis-compact``, the same with the index's compact layout (``kvindex/redis.py``);
 ``cluster``, a 3-master Valkey Cluster on the three ports after it (``bench/cluster.py``), and
-``cluster-compact``, the same with the compact layout (``scoring/index/cluster.py``).
+``cluster-compact``, the same with the compact layout (``kvindex/cluster.py``).
 The ingest pipeline binds ``--base-port + 30``.
 
     .venv/bin/python bench/ingest.py [--backends memory,redis,cluster] [--workers 1,2,4]
@@ -49,7 +49,7 @@ import zmq  # noqa: E402
 from bench.cluster import Servers, balance  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from ingest.events import BlockStored, encode_batch, encode_message  # noqa: E402
-from scoring.keys import chain_digests, key_of, root_digest  # noqa: E402
+from kvindex.keys import chain_digests, key_of, root_digest  # noqa: E402
 
 MODEL = "bench/model"
 SEED = "42"
@@ -91,8 +91,8 @@ def frames_for(pod: str, seq: int, event: BlockStored) -> list[bytes]:
 def ingest_child(url: str, workers: int, processes: int, port: int, conn) -> None:
     """The ingest side: a pipeline bound on ``port``; answers the parent's commands."""
     from ingest.pipeline import IngestPipeline
-    from scoring.config import ServiceConfig
-    from scoring.index import open_index
+    from kvindex import open_index
+    from registry.config import ServiceConfig
 
     index = open_index(url)
     config = ServiceConfig(seed=SEED, default_block_size=BLOCK)

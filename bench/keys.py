@@ -5,8 +5,8 @@ Run from anywhere: ``.venv/bin/python bench/keys.py [--out var/bench/keys.json]`
 Three ways to get the digest of one block, each chained from the previous block's digest:
 
 * ``cbor2``   - ``sha256(cbor2.dumps([parent, tokens, extra], canonical=True))``, the reference;
-* ``fast``    - ``scoring.keys.block_digest`` (hand-written canonical CBOR + sha256);
-* ``chain``   - ``scoring.keys.chain_digests`` over a whole prompt of ``--blocks`` blocks, divided
+* ``fast``    - ``kvindex.keys.block_digest`` (hand-written canonical CBOR + sha256);
+* ``chain``   - ``kvindex.keys.chain_digests`` over a whole prompt of ``--blocks`` blocks, divided
   by the number of blocks (what ingest and scoring actually call).
 
 The machine is noisy, so every figure is the median over ``--repeats`` rounds, and in each round
@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
 import cbor2  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
-from scoring.keys import block_digest, chain_digests, root_digest  # noqa: E402
+from kvindex.keys import block_digest, chain_digests, root_digest  # noqa: E402
 
 BLOCK_SIZE = 16
 VOCAB = 151_936  # Qwen2/Qwen3 vocabulary size

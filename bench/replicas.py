@@ -39,8 +39,8 @@ from ingest.events import BlockStored  # noqa: E402
 from ingest.membership import HEARTBEAT_SECONDS, TTL_SECONDS, RedisMembership, Replica  # noqa: E402
 from ingest.pipeline import IngestPipeline  # noqa: E402
 from ingest.replay import ReplayClient  # noqa: E402
-from scoring.config import ServiceConfig  # noqa: E402
-from scoring.index import open_index  # noqa: E402
+from kvindex import open_index  # noqa: E402
+from registry.config import ServiceConfig  # noqa: E402
 from simulator.publisher import EventPublisher  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 

@@ -159,8 +159,8 @@ def make_prompt(encode: Callable[[str], object], tokens: int, tag: str) -> tuple
 
 def staircase(token_ids: Sequence[int], pods: int) -> list[tuple[str, list]]:
     """(pod, blocks) for every pod: pod k holds the first (k+1)/pods of the prompt's blocks."""
-    from scoring.index import StoredBlock
-    from scoring.keys import chain_digests, key_of, root_digest
+    from kvindex import StoredBlock
+    from kvindex.keys import chain_digests, key_of, root_digest
 
     digests = chain_digests(token_ids, block_size=BLOCK_SIZE, parent=root_digest(SEED))
     blocks = [StoredBlock(key_of(d), key_of(d), d) for d in digests]
@@ -169,7 +169,7 @@ def staircase(token_ids: Sequence[int], pods: int) -> list[tuple[str, list]]:
 
 def fill(index, prompts: Sequence[Sequence[int]], pods: int) -> int:
     """Index every prompt on ``pods`` pods (staircase); returns the (pod, block) entries written."""
-    from scoring.index.base import Store
+    from kvindex.base import Store
 
     entries, batch = 0, []
     for token_ids in prompts:
@@ -287,7 +287,7 @@ class Workload:
 
 
 def build_workload() -> Workload:
-    from scoring.tokenization import TokenizerRegistry
+    from tokenization.tokenizers import TokenizerRegistry
 
     tokenizer = TokenizerRegistry().get(MODEL)
     shared = make_prompt(tokenizer.encode, 2048, "Shared prompt")
@@ -301,7 +301,7 @@ def build_workload() -> Workload:
 
 def tokenizer_ms(cold: ColdPrompts, *, repeats: int = 100) -> float:
     """Median ms of the tokenizer alone on distinct cold prompts, in this process."""
-    from scoring.tokenization import TokenizerRegistry
+    from tokenization.tokenizers import TokenizerRegistry
 
     tokenizer = TokenizerRegistry().get(MODEL)
     texts = [cold.text(n % len(cold.heads), 1 + n // len(cold.heads)) for n in range(repeats)]
@@ -321,8 +321,8 @@ def tokenizer_ms(cold: ColdPrompts, *, repeats: int = 100) -> float:
 # the lifecycle lines, among them "Child process [pid] died" when the supervisor kills a worker
 # that stopped answering its pings. Lifespan "auto" where serve says "on": an app without
 # lifespan support (kvsite.asgi before the fast path) still starts. The HTTP protocol is serve's
-# (httptools with TCP_NODELAY on every connection: kvsite/uvicorn_protocol.py).
-HTTP_PROTOCOL = "kvsite.uvicorn_protocol:NoDelayHttpToolsProtocol"
+# (httptools with TCP_NODELAY on every connection: stack/asgi_server.py).
+HTTP_PROTOCOL = "stack.asgi_server:NoDelayHttpToolsProtocol"
 UVICORN_OPTIONS = (
     *("--http", HTTP_PROTOCOL, "--ws", "websockets", "--lifespan", "auto"),
     *("--timeout-graceful-shutdown", "8", "--no-proxy-headers", "--no-access-log", "--log-level", "info"),
@@ -352,7 +352,7 @@ def serve_filled(fill_path: str, argv: list[str]) -> None:
     import django
 
     django.setup()
-    from scoring.runtime import get_index
+    from registry.runtime import get_index
 
     prompts = json.loads(Path(fill_path).read_text())
     fill(get_index(), prompts, PODS)
@@ -1054,7 +1054,7 @@ def start_server(
 def run_started(workload: Workload, args: argparse.Namespace, info: dict) -> None:
     """Every configuration of ``--configs``, each on its own server, always stopped. The work dir
     (server logs, wrk scripts and output) is removed unless ``--keep`` or a run failed."""
-    from scoring.index import open_index
+    from kvindex import open_index
     from tests.servers import RedisServer
 
     configs = parse_configs(args.configs)
@@ -1121,7 +1121,7 @@ def floor_answer(size: int) -> bytes:
 def run_url(workload: Workload, args: argparse.Namespace, info: dict) -> None:
     """``--url``: the cases (and the isolation check) against a server that is already running."""
     if args.redis_url:
-        from scoring.index import open_index
+        from kvindex import open_index
 
         index = open_index(args.redis_url)
         fill(index, workload.prompts, PODS)

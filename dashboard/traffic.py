@@ -1,11 +1,11 @@
 """The scoring traffic the charts show, shared through Redis for the history ingest records.
 
-The charts' scoring requests per second and hit rate count the requests the web's score API
-served and those the gateways in ``KVCACHE_GATEWAY_URLS`` routed (``selectors.routing_counters``).
-Ingest records the charts' history (``ingest.history``) but sees neither, so every web process of
+The charts' scoring requests per second and hit rate count the requests the web's score API served
+and those the gateways in ``KVCACHE_GATEWAY_URLS`` routed (``selectors.routing_counters``). Ingest
+records the charts' history (``ingest.history``) but sees neither, so every web process of
 ``manage.py serve`` runs one daemon thread that, once a second, publishes into Redis
-(``scoring.streams.publish_scoring``) its own cumulative counters under ``web:<host>:<pid>``, and
-each gateway's (one scrape of its ``/metrics``) under ``gateway:<url>``: web processes write a
+(``kvindex.shared_stats.publish_scoring``) its own cumulative counters under ``web:<host>:<pid>``,
+and each gateway's (one scrape of its ``/metrics``) under ``gateway:<url>``: web processes write a
 gateway's counters over each other's, never beside them, so no request is counted twice.
 """
 
@@ -22,8 +22,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from dashboard import selectors
 from dashboard.gateways import GatewayScrape, gateway_traffic
-from scoring.runtime import index_is_shared
-from scoring.streams import instance_id, publish_scoring
+from kvindex.shared_stats import instance_id, publish_scoring
+from registry.runtime import index_is_shared
 
 log = logging.getLogger(__name__)
 

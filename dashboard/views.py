@@ -7,7 +7,7 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from scoring.models import Pod
+from registry.models import Pod
 
 
 def _live_settings() -> dict:

@@ -38,8 +38,9 @@ from gateway import metrics
 from gateway.load import LoadTracker
 from gateway.memory import KeyMemory
 from gateway.policies import DEFAULT_ALPHA, Candidate, affinity_of, make_policy
-from scoring.config import ServiceConfig, owner_pod
-from scoring.index import IndexUnavailable, KVIndex
+from kvindex import IndexUnavailable, KVIndex
+from registry.config import ServiceConfig, owner_pod
+from registry.snapshot import ConfigSource
 from scoring.read_path import (
     ChatRequest,
     KeyedRequest,
@@ -49,9 +50,8 @@ from scoring.read_path import (
     key_token_ids,
     look_up,
 )
-from scoring.sandbox import TemplateSandbox
-from scoring.snapshot import ConfigSource
-from scoring.tokenization import TokenizerRegistry
+from tokenization.template_sandbox import TemplateSandbox
+from tokenization.tokenizers import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ django.setup()
 from django.conf import settings  # noqa: E402
 
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings  # noqa: E402
-from scoring import runtime  # noqa: E402
+from registry import runtime  # noqa: E402
 
 gateway = GatewayApp(
     GatewayHandles(

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from scoring.liveness import requests_by_state
+from registry.liveness import requests_by_state
 
 log = logging.getLogger(__name__)
 

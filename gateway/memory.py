@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from scoring.keys import BlockKey
+from kvindex.keys import BlockKey
 
 _EXPIRED = float("-inf")  # the expiry of an entry a pod does not have
 

@@ -39,7 +39,7 @@ from typing import ClassVar, Literal
 
 import xxhash
 
-from scoring.keys import BlockKey
+from kvindex.keys import BlockKey
 
 DEFAULT_ALPHA = 0.25
 AFFINITY_BLOCKS = 8

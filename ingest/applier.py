@@ -5,7 +5,7 @@ Keying rule (vllm-kv-events.md section 3): a stored block is keyed by the block 
 from its ``token_ids``, chained from its parent's digest (found through the pod's engine-hash ->
 digest map), with the block's extra keys as the event sends them (the LoRA name, multimodal
 ``(identifier, offset)`` pairs, the cache salt) and, with lookahead hashing, the tokens after it
-(``scoring.keys.block_chain``, which the read path keys requests with too). Engine hashes are only
+(``kvindex.keys.block_chain``, which the read path keys requests with too). Engine hashes are only
 handles: for ``BlockRemoved`` and for finding a parent. The chain is never restarted from the root
 when the parent is unknown (that yields keys no prompt can match): if the pod's engine hashes have
 been equal to our keys (its seed and algorithm are ours), its engine hashes are adopted as keys,
@@ -26,11 +26,11 @@ tokens; a trailing partial block is not indexed. A model block is removed with t
 that completed it; when one engine block completes several model blocks, the others get derived
 engine hashes (``sub_block_hash``) that its ``BlockRemoved`` removes too.
 
-Hybrid models (``scoring.hybrid``): the blocks of KV-cache group ``g > 0`` (``group_idx``) are kept
-under the holder ``<holder>#g<g>`` with masked keys and digests, each group chained, removed and
-cleared on its own (an ``AllBlocksCleared`` clears every group); the groups an event describes
-(``kv_cache_spec_kind``) are learned (``IngestStats.learned_groups``). Only group 0's blocks are
-judged for hash alignment (the others repeat its hashes).
+Hybrid models (``kvindex.kv_cache_groups``): the blocks of KV-cache group ``g > 0`` (``group_idx``)
+are kept under the holder ``<holder>#g<g>`` with masked keys and digests, each group chained,
+removed and cleared on its own (an ``AllBlocksCleared`` clears every group); the groups an event
+describes (``kv_cache_spec_kind``) are learned (``IngestStats.learned_groups``). Only group 0's
+blocks are judged for hash alignment (the others repeat its hashes).
 
 Batches are *staged* (turned into ``IndexUpdate`` values, counters bumped) and then *flushed*
 together: one index round trip for everything a worker found queued.
@@ -49,11 +49,9 @@ from typing import NamedTuple
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from ingest.stats import IngestStats, StreamStats
-from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
-from scoring.hybrid import group_digest, group_holder
-from scoring.index import KVIndex, StoredBlock
-from scoring.index.base import ClearPod, IndexUpdate, Progress, Remove, Store
-from scoring.keys import (
+from kvindex import KVIndex, StoredBlock
+from kvindex.base import ClearPod, IndexUpdate, Progress, Remove, Store
+from kvindex.keys import (
     DIGEST_SIZE,
     Digest,
     ExtraKeys,
@@ -64,6 +62,8 @@ from scoring.keys import (
     keyed_extra,
     root_digest,
 )
+from kvindex.kv_cache_groups import group_digest, group_holder
+from registry.config import DP_RANK_SEPARATOR, ServiceConfig
 
 PARENT_CACHE_SIZE = 8192
 """Engine hash -> digest entries kept per pod, so a parent is usually found without a round trip."""

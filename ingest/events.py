@@ -22,7 +22,7 @@ otherwise good batch is skipped and reported in ``EventBatch.errors`` so that th
 batch still applies. Every error carries a ``reason`` from :data:`REASONS`, the label it is
 counted under.
 
-Hashes are normalised with :func:`scoring.keys.normalize_hash`: unsigned 64-bit ints whatever the
+Hashes are normalised with :func:`kvindex.keys.normalize_hash`: unsigned 64-bit ints whatever the
 engine sent (uint64, negative int64 or bytes). ``decode_batch`` is on the hot path (hundreds of
 thousands of blocks per second), hence direct indexing and whole-container type checks instead of
 per-field reflection.
@@ -39,7 +39,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import msgpack
 
-from scoring.keys import normalize_hash
+from kvindex.keys import normalize_hash
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -139,12 +139,13 @@ class BlockStored:
     ``extra_keys`` falls back to ``(lora_name,)`` per block, or ``None`` without an adapter.
 
     ``group_idx`` is the KV-cache group of hybrid models (``None`` when not sent);
-    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` describe it when the publisher
-    sends them (vLLM's offloading connectors do; its GPU block pool does not): ``scoring.hybrid``.
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` describe it when the publisher sends
+    them (vLLM's offloading connectors do; its GPU block pool does not):
+    ``kvindex.kv_cache_groups``.
 
     vLLM 0.33 added ``lookahead_token_ids``: with lookahead hashing, the tokens after each block
     that its hash also covers, one tuple per block (``None`` when lookahead hashing is off); a
-    block is keyed with them (``scoring.keys.keyed_extra``). ``locality`` ("LOCAL" / "REMOTE"
+    block is keyed with them (``kvindex.keys.keyed_extra``). ``locality`` ("LOCAL" / "REMOTE"
     tier), ``ownership`` (the secondary tier that stored it) and ``session_id`` (the request
     context that reported it) are kept as sent: they do not change what a block is.
     """

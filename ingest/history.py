@@ -2,8 +2,8 @@
 
 Once a second the ``ingest`` command's housekeeping hands ``HistoryRecorder.record`` what every
 process has shared in Redis (the ingest snapshots, the web's and the gateways' scoring counters,
-``scoring.streams``) and the index's block counts; at the start of each level's interval
-(``scoring.streams.HISTORY_LEVELS``: every second, every 10 s) it appends one point to that
+``kvindex.shared_stats``) and the index's block counts; at the start of each level's interval
+(``kvindex.shared_stats.HISTORY_LEVELS``: every second, every 10 s) it appends one point to that
 level's stream. Every ingest process records the same fleet-wide point from the same shared
 inputs, and Redis keeps the first one of an interval only (``record_point``): with several ingest
 processes nothing is counted twice, and the history goes on while one of them is up.
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import redis
 
-from scoring.config import owner_pod
-from scoring.hybrid import is_group_holder
-from scoring.index.base import PodBlocks
-from scoring.streams import HISTORY_LEVELS, HISTORY_PODS, HistoryLevel, record_point
+from kvindex.base import PodBlocks
+from kvindex.kv_cache_groups import is_group_holder
+from kvindex.shared_stats import HISTORY_LEVELS, HISTORY_PODS, HistoryLevel, record_point
+from registry.config import owner_pod
 
 _POD_COUNTERS = ("blocks_stored", "blocks_removed", "events")
 
@@ -168,7 +168,7 @@ class HistoryRecorder:
         pod_rates: dict | None,
         score_rates: dict | None,
     ) -> dict:
-        """One point (``scoring.streams``): of every pod the index or an ingest process knows,
+        """One point (``kvindex.shared_stats``): of every pod the index or an ingest process knows,
         the ``pods`` holding the most blocks."""
         rates = pod_rates or {}
         held = blocks or {}

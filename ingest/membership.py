@@ -45,8 +45,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 
 from ingest.ratelimit import RateLimitedLog
-from scoring.config import ServiceConfig
-from scoring.index.base import IndexUnavailable
+from kvindex.base import IndexUnavailable
+from registry.config import ServiceConfig
 
 log = logging.getLogger(__name__)
 HEARTBEAT_LOG = RateLimitedLog(log)
@@ -175,7 +175,7 @@ class RedisMembership:
 
 
 def open_membership(url: str, *, timeout: float = 2.0) -> RedisMembership:
-    """Membership in the Redis the index URL names (``scoring.index.open_index``'s URLs):
+    """Membership in the Redis the index URL names (``kvindex.open_index``'s URLs):
     ``redis://``, ``rediss://``, ``unix://`` or ``redis-cluster://host:port[,host:port...]``.
     Replies wait at most ``timeout`` seconds (unless the URL says otherwise). An in-process
     (``memory://``) index cannot be shared: ``ValueError``."""

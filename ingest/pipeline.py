@@ -32,9 +32,9 @@ from ingest.processes import ProcessShardPool, ReplaySettings, refuse_memory_ind
 from ingest.replay import ReplayClient, ReplayFailed
 from ingest.resync import CatchUp, Fetched
 from ingest.stats import IngestStats
-from scoring.config import DP_RANK_SEPARATOR, ServiceConfig
-from scoring.epochs import READY, RESYNCING, marker, new_token, parse_marker
-from scoring.index import IndexUnavailable, KVIndex
+from kvindex import IndexUnavailable, KVIndex
+from kvindex.epochs import READY, RESYNCING, marker, new_token, parse_marker
+from registry.config import DP_RANK_SEPARATOR, ServiceConfig
 
 log = logging.getLogger(__name__)
 

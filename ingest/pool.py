@@ -26,7 +26,7 @@ from ingest.ratelimit import RateLimitedLog
 from ingest.replay import ReplayClient
 from ingest.resync import CatchUp, StreamKeeper
 from ingest.stats import IngestStats
-from scoring.index.base import IndexUnavailable
+from kvindex.base import IndexUnavailable
 
 log = logging.getLogger(__name__)
 

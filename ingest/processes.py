@@ -76,8 +76,8 @@ from ingest.ratelimit import RateLimitedLog
 from ingest.replay import ReplayClient, ReplayFailed
 from ingest.resync import CatchUp, Fetched
 from ingest.stats import IngestStats, StatsShipper, merge_stats
-from scoring.config import ServiceConfig
-from scoring.index import IndexUnavailable, KVIndex, MemoryIndex
+from kvindex import IndexUnavailable, KVIndex, MemoryIndex
+from registry.config import ServiceConfig
 
 log = logging.getLogger(__name__)
 DROP_LOG = RateLimitedLog(log)

@@ -20,7 +20,7 @@ from typing import Final
 
 import zmq
 
-from scoring.config import ServiceConfig, address_in_pod_id
+from registry.config import ServiceConfig, address_in_pod_id
 
 __all__ = ["ReplayClient", "ReplayFailed", "derived_replay_endpoint", "fetch_replay", "offset_endpoint"]
 

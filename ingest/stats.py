@@ -22,7 +22,7 @@ from itertools import islice
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from scoring.streams import collect_families
+from kvindex.shared_stats import collect_families
 
 MAX_VISIBLE_SECONDS = 24 * 3600.0
 """Event-to-visible latencies past this (either way) are clock disagreements, not latencies."""

@@ -3,7 +3,7 @@
 * HTTP to the scoring endpoints and ``/healthz`` goes to the fast path
   (``scoring.fastpath.app``), without Django's request cycle (nor its Host header check);
 * every other HTTP request goes to Django (admin, registry API, dashboard, docs, metrics, and
-  ``/readyz``, which like ``/healthz`` answers whatever the Host: ``scoring.api.middleware``);
+  ``/readyz``, which like ``/healthz`` answers whatever the Host: ``kvsite.middleware``);
 * websockets go to Channels: they carry the session (``AuthMiddlewareStack``: consumers check
   the user themselves) and must come from one of ``ALLOWED_HOSTS``
   (``AllowedHostsOriginValidator``: no cross-site pages);
@@ -29,7 +29,7 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from dashboard import traffic  # noqa: E402
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
-from scoring import runtime  # noqa: E402
+from registry import runtime  # noqa: E402
 
 scoring_app = runtime.scoring_app()
 FAST_PATHS = frozenset(scoring_app.PATHS)

@@ -101,11 +101,12 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
-    "scoring",
+    "registry",  # app label "scoring": the tables and admin URLs of databases made before its move
     "ingest",
     "dashboard",
     "simulator",
     "gateway",
+    "kvsite",  # manage.py serve; the API docs' ReDoc page
 ]
 
 MIDDLEWARE = [
@@ -115,7 +116,7 @@ MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     # Before CommonMiddleware, the first to check the Host header: probes and Prometheus come
     # with the pod's IP.
-    "scoring.api.middleware.ProbesAndScrapes",
+    "kvsite.middleware.ProbesAndScrapes",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -123,7 +124,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_prometheus.middleware.PrometheusAfterMiddleware",
     # Innermost, so that the whole chain runs synchronously under ASGI (why: its docstring).
-    "scoring.api.middleware.SyncMiddlewareChain",
+    "kvsite.middleware.SyncMiddlewareChain",
 ]
 
 ROOT_URLCONF = "kvsite.urls"
@@ -177,17 +178,17 @@ LOGIN_URL = "admin:login"
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 KVCACHE_INDEX_BACKEND = os.environ.get("KVCACHE_INDEX_BACKEND", "redis")
 # The one-server index's layout: "fast" or "compact" (fewer bytes per entry, more server CPU per
-# stored block; scoring/index/redis.py). Applied by scoring.runtime.index_options.
+# stored block; kvindex/redis.py). Applied by registry.runtime.index_options.
 KVCACHE_INDEX_LAYOUT = os.environ.get("KVCACHE_INDEX_LAYOUT", "fast")
 # Seconds a Redis index may take to connect or to reply before the caller gets IndexUnavailable (a
 # score: 503 at once rather than a hung request). ``socket_timeout`` / ``socket_connect_timeout`` in
 # REDIS_URL win. Ingest has its own: its sliced writes take ~15 ms on the server, but may queue
 # behind other clients' work, and a timed-out write is retried whole (ingest/pool.py). Applied by
-# scoring.runtime.connect_index.
+# registry.runtime.connect_index.
 KVCACHE_INDEX_TIMEOUT = float(os.environ.get("KVCACHE_INDEX_TIMEOUT", "1.0"))
 KVCACHE_INGEST_INDEX_TIMEOUT = float(os.environ.get("KVCACHE_INGEST_INDEX_TIMEOUT", "10.0"))
 # Unset everywhere: what a vLLM >= 0.33 sha256 / sha256_cbor engine without PYTHONHASHSEED hashes
-# with (scoring.keys.DEFAULT_SEED).
+# with (kvindex.keys.DEFAULT_SEED).
 KVCACHE_HASH_SEED = os.environ.get("KVCACHE_HASH_SEED", os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
 KVCACHE_BLOCK_SIZE = int(os.environ.get("KVCACHE_BLOCK_SIZE", "16"))
 
@@ -207,7 +208,7 @@ DASHBOARD_PUSH_SECONDS = float(os.environ.get("DASHBOARD_PUSH_SECONDS", "1.0"))
 DASHBOARD_HISTORY_SECONDS = float(os.environ.get("DASHBOARD_HISTORY_SECONDS", "600"))
 DASHBOARD_STALE_SECONDS = float(os.environ.get("DASHBOARD_STALE_SECONDS", "60"))
 
-# --- pod liveness and registry expiry (scoring/liveness.py, run by the ingest command) ------------
+# --- pod liveness and registry expiry (registry/liveness.py, run by the ingest command) ------------
 # Ingest probes GET http://<address>/health of every enabled pod with an address each second (1 s
 # timeout). Failing for KVCACHE_POD_DOWN_SECONDS makes a pod down (it leaves scores; one answer
 # brings it back); down for KVCACHE_POD_FORGET_SECONDS more clears its blocks from the index.
@@ -223,7 +224,7 @@ KVCACHE_TOKENIZERS_DIR = os.environ.get("KVCACHE_TOKENIZERS_DIR", "")
 KVCACHE_ALLOW_HUB = env_bool("KVCACHE_ALLOW_HUB")
 KVCACHE_PREFIX_STORE_CAPACITY = int(os.environ.get("KVCACHE_PREFIX_STORE_CAPACITY", "500000"))
 
-# --- abuse limits of the DRF API (scoring/api/auth.py, scoring/api/codecs.py) ----------------------
+# --- abuse limits of the DRF API (registry/api/auth.py, kvsite/drf.py) ----------------------
 # A client with KVCACHE_AUTH_FAILURES failed HTTP basic logins within KVCACHE_AUTH_FAILURE_WINDOW_SECONDS
 # of its first one is answered 429 (no password checked) until that window ends. Counted in REDIS_URL
 # (shared by every process), in each process while it does not answer.
@@ -274,16 +275,17 @@ KVCACHE_TEMPLATE_PROCESSES = int(os.environ.get("KVCACHE_TEMPLATE_PROCESSES", "1
 
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    # Safe defaults: a view that says nothing is for staff only. Scoring views open themselves up
-    # (API keys, when configured); see scoring/api/auth.py.
+    # Safe defaults: a view that says nothing is for staff only (the registry API is the API's only
+    # set of DRF views: the scoring endpoints are the fast path's, with their API keys); see
+    # registry/api/auth.py.
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
-        "scoring.api.auth.ThrottledBasicAuthentication",
+        "registry.api.auth.ThrottledBasicAuthentication",
     ],
-    # JSON only (no view takes forms or files), size- and depth-limited: see scoring/api/codecs.py.
-    "DEFAULT_PARSER_CLASSES": ["scoring.api.codecs.BoundedJSONParser"],
+    # JSON only (no view takes forms or files), size- and depth-limited: see kvsite/drf.py.
+    "DEFAULT_PARSER_CLASSES": ["kvsite.drf.BoundedJSONParser"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
-    "EXCEPTION_HANDLER": "scoring.api.errors.exception_handler",
+    "EXCEPTION_HANDLER": "registry.api.errors.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "KV-cache aware routing service",
@@ -304,7 +306,7 @@ SPECTACULAR_SETTINGS = {
     # The fast path's endpoints (not Django views) are added to the schema here.
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
-        "scoring.api.openapi.add_fast_path",
+        "scoring.fastpath.openapi.add_fast_path",
     ],
 }
 

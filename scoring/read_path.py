@@ -3,10 +3,10 @@
 Steps, each timed (``Timings``) so the API can report them (``Server-Timing``) and the benchmark
 can say where the time goes:
 
-1. **render** (conversations only): the model's chat template (``scoring.chat.render_chat``);
+1. **render** (conversations only): the model's chat template (``tokenization.chat_templates.render_chat``);
 2. **tokenize**: the model's tokenizer through the prefix store (``TokenizerRegistry.tokenize``);
    skipped when the caller sends token ids;
-3. **keys**: vLLM's ``sha256_cbor`` block keys (``scoring.keys.block_keys``) from the hash seed,
+3. **keys**: vLLM's ``sha256_cbor`` block keys (``kvindex.keys.block_keys``) from the hash seed,
    the model's block size and lookahead (``hash_lookahead_tokens``), and the request's extra keys
    (LoRA adapter name, ``cache_salt``, multimodal features), through ``BLOCK_KEY_MEMO`` (a
    repeated prefix's blocks are looked up, not hashed again; a step is memoized under its extra
@@ -15,7 +15,7 @@ can say where the time goes:
    pods; disabled pods and pods the liveness prober found down (``config.unscored_pods``) are
    taken out, with their data-parallel ranks. For a hybrid model (``kv_cache_groups``), one
    more round trip per other KV-cache group for its holders of the run's keys, and each pod's
-   run cut to vLLM's hit over the groups (``scoring.hybrid``);
+   run cut to vLLM's hit over the groups (``kvindex.kv_cache_groups``);
 5. **score**: longest-prefix scores with the model's tier weights (``scoring.scorer``).
 
 Pure core: no Django import. The registry snapshot (``ServiceConfig``), the index and the
@@ -33,14 +33,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scoring.chat import ChatTemplateError, render_chat
-from scoring.config import ModelSettings, ServiceConfig, owner_pod
-from scoring.hybrid import group_keys, hybrid_run, other_groups
-from scoring.index import HolderMap, KVIndex
-from scoring.keys import BlockKey, ChainMemo, MultimodalFeature, block_keys
-from scoring.sandbox import TemplateSandbox
+from kvindex import HolderMap, KVIndex
+from kvindex.keys import BlockKey, ChainMemo, MultimodalFeature, block_keys
+from kvindex.kv_cache_groups import group_keys, hybrid_run, other_groups
+from registry.config import ModelSettings, ServiceConfig, owner_pod
 from scoring.scorer import PodScore, longest_prefix_scores
-from scoring.tokenization import Tokenization, TokenizerError, TokenizerRegistry, TooManyTokens
+from tokenization.chat_templates import ChatTemplateError, render_chat
+from tokenization.template_sandbox import TemplateSandbox
+from tokenization.tokenizers import Tokenization, TokenizerError, TokenizerRegistry, TooManyTokens
 
 __all__ = [
     "BLOCK_KEY_MEMO",
@@ -57,7 +57,7 @@ __all__ = [
 
 BLOCK_KEY_MEMO = ChainMemo()
 """The chain steps of the keys this process computed for requests (scoring endpoints, gateway),
-shared by all of them: ``scoring.keys.DEFAULT_CHAIN_MEMO_STEPS`` steps at most (~22 MiB)."""
+shared by all of them: ``kvindex.keys.DEFAULT_CHAIN_MEMO_STEPS`` steps at most (~22 MiB)."""
 
 
 class InvalidInput(ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from scoring.index import HolderMap
+from kvindex import HolderMap
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
-from scoring.keys import DEFAULT_SEED
+from kvindex.keys import DEFAULT_SEED
 
 __all__ = [
     "FAILURE_TYPES",

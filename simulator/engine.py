@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ingest.events import Event
-from scoring.keys import block_keys
+from kvindex.keys import block_keys
 from simulator.cache import BlockCache
 from simulator.config import EngineConfig, LatencyConfig
 from simulator.latency import Jitter, inter_token_latency, time_to_first_token

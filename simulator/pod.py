@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ingest.events import Event
-from scoring.chat import ChatTemplateError, render_chat
-from scoring.tokenization import LoadedTokenizer, TokenizerRegistry
 from simulator.config import (
     ConfigError,
     FailureConfig,
@@ -41,6 +39,8 @@ from simulator.errors import (
 from simulator.metrics import PodMetrics
 from simulator.outputs import SENTENCES, Output, echo_output, random_output, request_rng, token_texts
 from simulator.protocol import ChatParams, SamplingParams, Usage
+from tokenization.chat_templates import ChatTemplateError, render_chat
+from tokenization.tokenizers import LoadedTokenizer, TokenizerRegistry
 
 __all__ = ["Choice", "Pod", "PodTokenizer", "RankLoad", "Submission"]
 
@@ -49,9 +49,9 @@ DEFAULT_MAX_LORAS = 8
 
 class PodTokenizer:
     """A model's tokenizer exactly as the manager uses it: ``TokenizerRegistry.tokenize`` (no
-    special tokens added) and ``scoring.chat.render_chat`` with the request's chat template, else
-    ``chat_template`` (the model config's, as the manager), else the tokenizer's own. Raises
-    ``TokenizerError`` at construction when the model has no tokenizer."""
+    special tokens added) and ``tokenization.chat_templates.render_chat`` with the request's chat
+    template, else ``chat_template`` (the model config's, as the manager), else the tokenizer's own.
+    Raises ``TokenizerError`` at construction when the model has no tokenizer."""
 
     def __init__(self, registry: TokenizerRegistry, model: str, *, chat_template: str | None = None) -> None:
         self.registry = registry

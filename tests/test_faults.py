@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.faults import FaultSystem, wait_for
-from scoring.epochs import READY, parse_marker
+from kvindex.epochs import READY, parse_marker
 
 MODEL = "Qwen/Qwen3-0.6B"
 

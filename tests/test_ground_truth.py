@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from ingest.stats import StreamStats
-from scoring.config import ServiceConfig
-from scoring.keys import block_keys
+from kvindex.keys import block_keys
+from registry.config import ServiceConfig
 from scoring.scorer import longest_prefix_scores
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
 from simulator.fleet import Fleet, FleetConfig, FleetThread, PublishConfig
@@ -97,7 +97,7 @@ def applied(harness: Harness, fleet: RunningFleet, pod: str) -> None:
 
 @pytest.fixture(params=["memory", "redis"])
 def system(request, qwen_tokenizer) -> Iterator[tuple[Harness, RunningFleet]]:
-    from scoring.index import open_index
+    from kvindex import open_index
 
     url = "memory://" if request.param == "memory" else request.getfixturevalue("redis_url")
     index = open_index(url)
@@ -128,7 +128,7 @@ def system(request, qwen_tokenizer) -> Iterator[tuple[Harness, RunningFleet]]:
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer() -> PodTokenizer:
-    from scoring.tokenization import TokenizerRegistry
+    from tokenization.tokenizers import TokenizerRegistry
 
     return PodTokenizer(TokenizerRegistry(), MODEL)
 

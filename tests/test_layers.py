@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = [
     "scoring.fastpath.app",
     "scoring.read_path",
-    "scoring.snapshot",
-    "scoring.large_prompts",
-    "scoring.sandbox",
-    "scoring.index",
-    "scoring.keys",
+    "registry.snapshot",
+    "tokenization.large_prompts",
+    "tokenization.template_sandbox",
+    "kvindex",
+    "kvindex.keys",
     "scoring.scorer",
-    "scoring.streams",
-    "scoring.liveness",
+    "kvindex.shared_stats",
+    "registry.liveness",
     "ingest.events",
     "ingest.applier",
     "ingest.pool",
@@ -29,7 +29,7 @@ CORE = [
     "ingest.replay",
     "ingest.pipeline",
     "ingest.history",
-    "scoring.epochs",
+    "kvindex.epochs",
     "gateway.app",
     "gateway.policies",
     "gateway.memory",
@@ -77,5 +77,5 @@ def test_lower_layers_never_import_the_gateway():
 
 
 def test_selectors_and_services_do_not_import_each_other_in_a_circle():
-    selectors = imports_of(ROOT / "scoring" / "selectors.py")
-    assert not {"scoring.services", "scoring.runtime"} & selectors
+    selectors = imports_of(ROOT / "registry" / "selectors.py")
+    assert not {"registry.services", "registry.runtime"} & selectors

@@ -36,8 +36,10 @@ from typing import Any
 
 import orjson
 
+from kvindex import KVIndex
+from registry.config import ServiceConfig, lower_priority
+from registry.snapshot import ConfigSource
 from scoring import read_path
-from scoring.config import ServiceConfig, lower_priority
 from scoring.fastpath import metrics
 from scoring.fastpath.errors import error_body, from_core
 from scoring.fastpath.schema import (
@@ -49,11 +51,9 @@ from scoring.fastpath.schema import (
     ScoreRequest,
     decode,
 )
-from scoring.index import KVIndex
 from scoring.read_path import ChatRequest, KeyedRequest, ScoreResult
-from scoring.sandbox import TemplateSandbox
-from scoring.snapshot import ConfigSource
-from scoring.tokenization import TokenizerRegistry
+from tokenization.template_sandbox import TemplateSandbox
+from tokenization.tokenizers import TokenizerRegistry
 
 logger = logging.getLogger(__name__)
 

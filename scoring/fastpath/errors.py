@@ -17,12 +17,12 @@ anything else             None    (the caller answers 500 and logs it)
 
 from __future__ import annotations
 
-from scoring.chat import ChatTemplateError, RequestTemplateRefused, TemplateBudgetExceeded
+from kvindex import IndexUnavailable
 from scoring.fastpath.schema import RequestError, invalid
-from scoring.index import IndexUnavailable
 from scoring.read_path import InvalidInput
-from scoring.sandbox import SandboxBusy
-from scoring.tokenization import TokenizerLoadError, TokenizerNotFound
+from tokenization.chat_templates import ChatTemplateError, RequestTemplateRefused, TemplateBudgetExceeded
+from tokenization.template_sandbox import SandboxBusy
+from tokenization.tokenizers import TokenizerLoadError, TokenizerNotFound
 
 
 def from_core(exc: BaseException) -> RequestError | None:

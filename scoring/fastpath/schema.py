@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from scoring import keys
+from kvindex import keys
 
 MAX_NAME_CHARS = 256
 MAX_JSON_DEPTH = 64
@@ -83,7 +83,7 @@ ObjectList = list[dict[str, Any]]
 
 
 class MultimodalFeature(Struct, kw_only=True):
-    """One multimodal input of the prompt, as vLLM hashes it (``scoring.keys.MultimodalFeature``)."""
+    """One multimodal input of the prompt, as vLLM hashes it (``kvindex.keys.MultimodalFeature``)."""
 
     identifier: Annotated[
         str,

@@ -16,13 +16,13 @@ from rest_framework.test import APIClient
 from ingest.applier import EventApplier
 from ingest.events import BlockRemoved, BlockStored, EventBatch
 from ingest.stats import IngestStats
-from scoring import runtime
-from scoring.config import ServiceConfig
-from scoring.index import KVIndex, open_index
-from scoring.keys import ExtraKeys, block_keys
-from scoring.runtime import invalidate_service_config
-from scoring.tokenization import TokenizerRegistry
+from kvindex import KVIndex, open_index
+from kvindex.keys import ExtraKeys, block_keys
+from registry import runtime
+from registry.config import ServiceConfig
+from registry.runtime import invalidate_service_config
 from tests.asgi import AsgiClient
+from tokenization.tokenizers import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 SEED = "42"  # the captures' PYTHONHASHSEED

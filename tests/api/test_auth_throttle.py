@@ -11,7 +11,7 @@ import pytest
 import redis
 from django.contrib.auth.hashers import MD5PasswordHasher
 
-from scoring.api.auth import FAILURE_KEY_PREFIX
+from registry.api.auth import FAILURE_KEY_PREFIX
 from tests.servers import free_port
 
 PATH = "/api/v1/hash-seed/"  # any staff endpoint: they share the authentication

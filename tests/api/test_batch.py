@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from scoring import runtime
+from registry import runtime
+from registry.models import Pod
+from registry.services import save_pod
 from scoring.fastpath.schema import MAX_BATCH
-from scoring.models import Pod
-from scoring.services import save_pod
 from tests.api.conftest import MODEL, post
 
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from scoring import runtime
+from kvindex import open_index
+from registry import runtime
+from registry.models import ModelConfig
+from registry.services import save_model_config
 from scoring.fastpath import metrics
-from scoring.index import open_index
-from scoring.models import ModelConfig
-from scoring.services import save_model_config
 from tests.api.conftest import MODEL, post
 
 

@@ -12,9 +12,9 @@ from urllib.parse import urlencode
 
 import pytest
 
-from scoring import runtime
-from scoring.index import open_index
-from scoring.models import ModelConfig
+from kvindex import open_index
+from registry import runtime
+from registry.models import ModelConfig
 from tests.api.conftest import MODEL, post
 from tests.servers import free_port
 

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from ingest.events import BlockStored, decode_message
-from scoring import services
+from kvindex.keys import MultimodalFeature, block_extra_keys, block_keys
+from registry import services
+from registry.models import ModelConfig
 from scoring.fastpath.schema import MAX_MM_FEATURES
-from scoring.keys import MultimodalFeature, block_extra_keys, block_keys
-from scoring.models import ModelConfig
 from tests.api.conftest import BLOCK_SIZE, MODEL, SEED, Engines, post
 from tests.api.test_scoring import rendered
 from tests.ingest.captures import vllm_033_messages

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
-from scoring.liveness import HealthChange
-from scoring.models import Pod
-from scoring.services import set_pod_health
+from registry.liveness import HealthChange
+from registry.models import Pod
+from registry.services import set_pod_health
 from tests.api.conftest import MODEL, post
 from tests.api.test_service import metrics_text, sample
 

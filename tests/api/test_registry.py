@@ -9,12 +9,12 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from scoring.api.codecs import json_depth_exceeds
-from scoring.keys import block_keys
-from scoring.models import HashSeed, ModelConfig, Pod
-from scoring.runtime import CONFIG_REFRESH_SECONDS
-from scoring.selectors import load_service_config
-from scoring.streams import publish_snapshot
+from kvindex.keys import block_keys
+from kvindex.shared_stats import publish_snapshot
+from kvsite.drf import json_depth_exceeds
+from registry.models import HashSeed, ModelConfig, Pod
+from registry.runtime import CONFIG_REFRESH_SECONDS
+from registry.selectors import load_service_config
 from tests.api.conftest import MODEL, SEED, post
 from tests.tokenization import train_tiny_tokenizer
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from scoring import services
-from scoring.chat import render_chat
-from scoring.models import ModelConfig, Pod
+from registry import services
+from registry.models import ModelConfig, Pod
 from tests.api.conftest import BLOCK_SIZE, MODEL, post
+from tokenization.chat_templates import render_chat
 
 UNRELATED = "The quick brown fox jumps over the lazy dog while the cat watches from the windowsill. " * 8
 

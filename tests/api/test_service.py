@@ -12,12 +12,12 @@ import yaml
 from asgiref.sync import async_to_sync
 from django.test import Client
 
-from scoring import runtime
-from scoring.epochs import READY, RESYNCING, marker
-from scoring.index import open_index
-from scoring.models import Pod
-from scoring.runtime import invalidate_service_config
-from scoring.streams import publish_snapshot
+from kvindex import open_index
+from kvindex.epochs import READY, RESYNCING, marker
+from kvindex.shared_stats import publish_snapshot
+from registry import runtime
+from registry.models import Pod
+from registry.runtime import invalidate_service_config
 from tests.api.conftest import MODEL, post
 from tests.servers import free_port
 
@@ -235,8 +235,8 @@ def test_metrics_say_when_the_ingest_stats_cannot_be_read(client, index, setting
 
 def test_start_up_loads_the_registrys_tokenizers_before_any_request(db):
     from kvsite.asgi import application
-    from scoring import runtime
-    from scoring.models import Pod
+    from registry import runtime
+    from registry.models import Pod
 
     Pod.objects.create(pod_id="pod-a", model=MODEL)
     Pod.objects.create(pod_id="pod-b", model="nobody/unknown-model")

@@ -14,9 +14,9 @@ from dashboard import sampler as sampler_module
 from dashboard.sampler import FleetSampler
 from ingest.events import BlockRemoved
 from ingest.management.commands.ingest import Housekeeping
-from scoring.index import open_index
-from scoring.models import Pod
-from scoring.runtime import set_index
+from kvindex import open_index
+from registry.models import Pod
+from registry.runtime import set_index
 from tests.dashboard.conftest import communicator, receive_until, session_cookie, unreachable_url
 from tests.events import stored_event
 from tests.ingest.conftest import MODEL, ingest_housekeeping

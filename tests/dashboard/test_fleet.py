@@ -17,7 +17,7 @@ from dashboard.fleet import (
     pod_rows,
     rates_between,
 )
-from scoring.index.base import PodBlocks
+from kvindex.base import PodBlocks
 from tests.dashboard.conftest import stream
 
 
@@ -223,7 +223,8 @@ def test_without_a_hits_counter_the_hit_rate_is_unknown_not_zero():
 
 
 def point(t: float, **pods: list) -> dict:
-    """A recorded history point (``scoring.streams``): per pod [blocks, stored/s, removed/s, events/s]."""
+    """A recorded history point (``kvindex.shared_stats``): per pod [blocks, stored/s, removed/s,
+    events/s]."""
     return {
         "t": t,
         "blocks": 0,

@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from dashboard import selectors
 from dashboard.sampler import LOG_SIZE, FleetSampler
-from scoring.epochs import READY, RESYNCING, marker
-from scoring.index import open_index
-from scoring.index.base import Store, StoredBlock
-from scoring.models import Pod
-from scoring.runtime import invalidate_service_config, set_index
-from scoring.streams import publish_snapshot
+from kvindex import open_index
+from kvindex.base import Store, StoredBlock
+from kvindex.epochs import READY, RESYNCING, marker
+from kvindex.shared_stats import publish_snapshot
+from registry.models import Pod
+from registry.runtime import invalidate_service_config, set_index
 from tests.dashboard.conftest import stream, unreachable_url
 
 MODEL = "Qwen/Qwen3-0.6B"

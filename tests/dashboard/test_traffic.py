@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter
 from dashboard import selectors
 from dashboard.traffic import publish_once
 from ingest.history import HistoryRecorder
-from scoring.streams import HistoryLevel, instance_id, read_history, read_scoring
+from kvindex.shared_stats import HistoryLevel, instance_id, read_history, read_scoring
 from tests.dashboard.conftest import unreachable_url
 
 

@@ -22,10 +22,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from websockets.sync.client import ClientConnection, connect
 
 from dashboard import selectors
-from scoring.index import open_index
-from scoring.index.base import StoredBlock
-from scoring.keys import block_digest, key_of, root_digest
-from scoring.streams import read_scoring
+from kvindex import open_index
+from kvindex.base import StoredBlock
+from kvindex.keys import block_digest, key_of, root_digest
+from kvindex.shared_stats import read_scoring
 from tests.dashboard.conftest import Process, prepare_site
 from tests.servers import free_port, service_env, wait_until
 

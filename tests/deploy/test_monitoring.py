@@ -31,17 +31,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
 from ingest.events import BlockStored, encode_message
 from ingest.stats import IngestStats, IngestStatsCollector
-from scoring import runtime
-from scoring.config import ServiceConfig
-from scoring.index import KVIndex, open_index
-from scoring.liveness import LivenessCollector, LivenessProber
-from scoring.models import Pod
-from scoring.snapshot import ConfigSource
-from scoring.streams import publish_snapshot
-from scoring.tokenization import TokenizerRegistry
+from kvindex import KVIndex, open_index
+from kvindex.shared_stats import publish_snapshot
+from registry import runtime
+from registry.config import ServiceConfig
+from registry.liveness import LivenessCollector, LivenessProber
+from registry.models import Pod
+from registry.snapshot import ConfigSource
 from tests.asgi import AsgiClient
 from tests.ingest.conftest import Harness
 from tests.servers import free_port, wait_until
+from tokenization.tokenizers import TokenizerRegistry
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvcache-router.json"

@@ -17,17 +17,17 @@ import uvicorn
 
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
 from ingest.events import BlockStored
-from scoring.config import ServiceConfig
-from scoring.index import open_index
-from scoring.keys import block_keys
+from kvindex import open_index
+from kvindex.keys import block_keys
+from registry.config import ServiceConfig
+from registry.snapshot import ConfigSource
 from scoring.read_path import ChatRequest, key_chat, key_prompt
-from scoring.snapshot import ConfigSource
-from scoring.tokenization import TokenizerRegistry
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
 from simulator.fleet import Fleet, FleetConfig, FleetThread, PublishConfig
 from simulator.pod import PodTokenizer
 from tests.ingest.conftest import Harness
 from tests.servers import wait_until
+from tokenization.tokenizers import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 SEED = "42"
@@ -391,8 +391,8 @@ def test_models_errors_and_unknown_models(system: System) -> None:
 @pytest.mark.django_db
 def test_the_gateway_process_answers_metrics_and_models_from_the_registry() -> None:
     from gateway.asgi import application  # the Django shell: runtime handles, settings
-    from scoring.models import Pod
-    from scoring.runtime import invalidate_service_config
+    from registry.models import Pod
+    from registry.runtime import invalidate_service_config
     from tests.asgi import AsgiClient
 
     Pod.objects.create(pod_id="p", model=MODEL, address="127.0.0.1:9")

@@ -12,9 +12,9 @@ import zmq
 from ingest.events import DEFAULT_LIMITS, DecodeLimits, encode_batch, encode_message
 from ingest.management.commands.ingest import Housekeeping
 from ingest.pipeline import IngestPipeline
-from scoring.config import ServiceConfig
-from scoring.index import KVIndex, open_index
-from scoring.runtime import set_index
+from kvindex import KVIndex, open_index
+from registry.config import ServiceConfig
+from registry.runtime import set_index
 from tests.servers import wait_until
 
 MODEL = "Qwen/Qwen3-0.6B"

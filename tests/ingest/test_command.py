@@ -17,9 +17,9 @@ import redis
 import zmq
 
 from ingest.events import encode_batch, encode_message
-from scoring.index import open_index
-from scoring.keys import block_keys
-from scoring.streams import STATS_KEY
+from kvindex import open_index
+from kvindex.keys import block_keys
+from kvindex.shared_stats import STATS_KEY
 from tests.events import stored_event
 from tests.ingest.conftest import MODEL, wait_until
 from tests.servers import free_port, service_env

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ingest.events import REASONS
 from ingest.stats import StreamStats
-from scoring.streams import DECODE_ERROR_REASONS, collect_families
+from kvindex.shared_stats import DECODE_ERROR_REASONS, collect_families
 
 APPLIER = Path(__file__).resolve().parents[2] / "ingest" / "applier.py"
 

@@ -17,8 +17,8 @@ import pytest
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeLimits, encode_message
 from ingest.ratelimit import RateLimitedLog
-from scoring.config import ServiceConfig
-from scoring.keys import block_keys
+from kvindex.keys import block_keys
+from registry.config import ServiceConfig
 from tests.events import stored_event as stored
 from tests.ingest.conftest import MODEL, Harness, Publisher
 from tests.servers import wait_until

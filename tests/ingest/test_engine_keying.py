@@ -3,7 +3,7 @@ them, lookahead hashing, report-mode-full re-announcements, the default seed, an
 re-chunked to the model's block size. Every test runs on each index backend.
 
 A block is held by a pod when the index has the key a request computes for it
-(``scoring.keys.block_keys``): the tests ask the index with those keys.
+(``kvindex.keys.block_keys``): the tests ask the index with those keys.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from ingest.events import (
 )
 from ingest.events import encode_batch as encode
 from ingest.stats import IngestStats
-from scoring.config import ServiceConfig
-from scoring.index import KVIndex
-from scoring.keys import DEFAULT_SEED, MultimodalFeature, block_keys, key_of, root_digest
+from kvindex import KVIndex
+from kvindex.keys import DEFAULT_SEED, MultimodalFeature, block_keys, key_of, root_digest
+from registry.config import ServiceConfig
 from tests.ingest.captures import VLLM_033_MODEL, vllm_033_messages
 from tests.ingest.conftest import MODEL, Harness
 

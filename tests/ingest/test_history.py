@@ -13,7 +13,7 @@ import redis
 
 from ingest.history import HistoryRecorder
 from ingest.management.commands.ingest import Housekeeping
-from scoring.streams import HISTORY_LEVELS, HistoryLevel, read_history, record_point
+from kvindex.shared_stats import HISTORY_LEVELS, HistoryLevel, read_history, record_point
 from tests.events import stored_event
 from tests.ingest.conftest import Harness, ingest_housekeeping
 

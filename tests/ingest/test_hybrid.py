@@ -1,6 +1,6 @@
 """Hybrid models through the write path and back out as scores (ingest/applier.py,
-scoring/hybrid.py): each KV-cache group is indexed on its own, so a sliding window evicting its
-early blocks never takes full attention's, and the read path scores vLLM's hybrid hit. Every
+kvindex/kv_cache_groups.py): each KV-cache group is indexed on its own, so a sliding window evicting
+its early blocks never takes full attention's, and the read path scores vLLM's hybrid hit. Every
 test runs on each index backend."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from scoring.config import ModelSettings, ServiceConfig
-from scoring.hybrid import KVCacheGroup, group_holder, group_keys
-from scoring.index import KVIndex
-from scoring.keys import block_keys
-from scoring.models import ModelConfig
+from kvindex import KVIndex
+from kvindex.keys import block_keys
+from kvindex.kv_cache_groups import KVCacheGroup, group_holder, group_keys
+from registry.config import ModelSettings, ServiceConfig
+from registry.models import ModelConfig
+from registry.selectors import load_service_config
 from scoring.read_path import score_token_ids
-from scoring.selectors import load_service_config
 from tests.ingest.conftest import MODEL, ingest_housekeeping
 from tests.ingest.test_engine_keying import BLOCK, SEED, Engine, store, vllm_hashes
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from scoring.index import open_index
+from kvindex import open_index
 from tests.ingest.conftest import MODEL, wait_until
 from tests.ingest.test_command import ROOT
 from tests.registry.test_liveness import blocks_of, cache_blocks
@@ -46,7 +46,7 @@ def healthy() -> Iterator[str]:
 
 REGISTRY = """
 from datetime import UTC, datetime, timedelta
-from scoring.models import Pod
+from registry.models import Pod
 old = datetime.now(UTC) - timedelta(days=8)
 Pod.objects.create(pod_id="up-pod", model="{model}", address="{healthy}")
 Pod.objects.create(pod_id="gone-pod", model="{model}", address="{closed}")

@@ -22,11 +22,11 @@ import zmq
 from ingest.events import BlockRemoved, encode_batch, encode_message
 from ingest.pipeline import IngestPipeline
 from ingest.processes import CONFIG_PUSH_SECONDS, STATS_SECONDS, ProcessShardPool
-from scoring.config import ServiceConfig
-from scoring.epochs import READY, parse_marker
-from scoring.index import open_index
-from scoring.keys import block_keys
-from scoring.streams import STATS_KEY
+from kvindex import open_index
+from kvindex.epochs import READY, parse_marker
+from kvindex.keys import block_keys
+from kvindex.shared_stats import STATS_KEY
+from registry.config import ServiceConfig
 from tests.events import stored_event as stored
 from tests.ingest.conftest import MODEL, Publisher
 from tests.ingest.test_replay import Fixture

@@ -21,14 +21,14 @@ from redis.crc import key_slot
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from ingest.pipeline import IngestPipeline
 from ingest.replay import ReplayClient, ReplayFailed, derived_replay_endpoint, fetch_replay
-from scoring.config import ServiceConfig
-from scoring.epochs import READY, parse_marker
-from scoring.index import KVIndex, open_index
-from scoring.index.cluster import RedisClusterIndex
-from scoring.keys import block_keys
+from kvindex import KVIndex, open_index
+from kvindex.cluster import RedisClusterIndex
+from kvindex.epochs import READY, parse_marker
+from kvindex.keys import block_keys
+from registry.config import ServiceConfig
 from simulator.publisher import EventPublisher
-from tests.index import assert_cluster_consistent, tag
 from tests.ingest.conftest import MODEL
+from tests.kvindex import assert_cluster_consistent, tag
 from tests.servers import wait_until
 
 SEED = "42"

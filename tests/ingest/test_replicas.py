@@ -38,9 +38,9 @@ from ingest.membership import (
 )
 from ingest.pipeline import IngestPipeline
 from ingest.replay import ReplayClient
-from scoring.config import ServiceConfig
-from scoring.index import IndexUnavailable, KVIndex, open_index
-from scoring.keys import block_keys
+from kvindex import IndexUnavailable, KVIndex, open_index
+from kvindex.keys import block_keys
+from registry.config import ServiceConfig
 from tests.events import stored_event
 from tests.ingest.conftest import MODEL
 from tests.ingest.test_replay import BLOCK, SEED, Engine, block

@@ -9,8 +9,8 @@ import pytest
 
 from ingest.applier import SLICE_BLOCKS, event_slices
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored
-from scoring.config import ServiceConfig
-from scoring.keys import chain_digests, key_of, root_digest
+from kvindex.keys import chain_digests, key_of, root_digest
+from registry.config import ServiceConfig
 from tests.ingest.conftest import MODEL, Harness
 from tests.servers import wait_until
 

@@ -22,10 +22,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from scoring.tokenization import TokenizerRegistry
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
 from simulator.fleet import Fleet, FleetConfig, PublishConfig
 from simulator.pod import PodTokenizer
+from tokenization.tokenizers import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 BLOCK_SIZE = 16

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from scoring import runtime
-from scoring.index import KVIndex, open_index
-from scoring.runtime import invalidate_service_config
+from kvindex import KVIndex, open_index
+from registry import runtime
+from registry.runtime import invalidate_service_config
 
 
 @pytest.fixture

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import pytest
 from django.contrib.auth.models import User
 
-from scoring import runtime, services
-from scoring.index import KVIndex, StoredBlock
-from scoring.keys import block_digest, key_of, root_digest
-from scoring.models import HashSeed, ModelConfig, Pod
-from scoring.runtime import service_config
-from scoring.tokenization import TokenizerRegistry
+from kvindex import KVIndex, StoredBlock
+from kvindex.keys import block_digest, key_of, root_digest
+from registry import runtime, services
+from registry.models import HashSeed, ModelConfig, Pod
+from registry.runtime import service_config
+from tokenization.tokenizers import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 

@@ -9,8 +9,8 @@ from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 from rest_framework.test import APIClient
 
-from scoring.models import Pod, validate_event_endpoint
-from scoring.selectors import load_service_config
+from registry.models import Pod, validate_event_endpoint
+from registry.selectors import load_service_config
 
 MODEL = "Qwen/Qwen3-0.6B"
 

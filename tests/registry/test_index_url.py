@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scoring.runtime import index_options, index_url
+from registry.runtime import index_options, index_url
 
 
 @pytest.mark.parametrize(

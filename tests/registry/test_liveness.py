@@ -22,15 +22,14 @@ import uvicorn
 
 from ingest.management.commands.ingest import Housekeeping
 from ingest.stats import IngestStats
-from scoring.config import ServiceConfig
-from scoring.index import KVIndex, StoredBlock, open_index
-from scoring.keys import block_digest, block_keys, key_of, root_digest
-from scoring.liveness import HealthChange, LivenessProber, LivenessSettings, pod_state, probe_targets
-from scoring.models import Pod
+from kvindex import KVIndex, StoredBlock, open_index
+from kvindex.keys import block_digest, block_keys, key_of, root_digest
+from registry.config import ServiceConfig
+from registry.liveness import HealthChange, LivenessProber, LivenessSettings, pod_state, probe_targets
+from registry.models import Pod
+from registry.runtime import service_config
+from registry.services import expire_pods, save_pod, set_pod_health
 from scoring.read_path import score_token_ids
-from scoring.runtime import service_config
-from scoring.services import expire_pods, save_pod, set_pod_health
-from scoring.tokenization import TokenizerRegistry
 from simulator.config import LatencyConfig
 from simulator.fleet import Fleet, FleetConfig, PublishConfig
 from simulator.fleet import FleetThread as BaseFleetThread
@@ -38,6 +37,7 @@ from simulator.pod import PodTokenizer
 from simulator.server import create_app
 from tests.servers import free_port, wait_until
 from tests.simulator.conftest import MODEL, pod_config
+from tokenization.tokenizers import TokenizerRegistry
 
 FAST = LivenessSettings(interval=0.05, timeout=0.5, down_seconds=0.5, forget_seconds=0)
 

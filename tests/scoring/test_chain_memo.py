@@ -1,4 +1,4 @@
-"""The chain memo (``scoring.keys.ChainMemo``): the same digests as the plain chain, whatever it
+"""The chain memo (``kvindex.keys.ChainMemo``): the same digests as the plain chain, whatever it
 has seen before, how full it is and how many threads share it; bounded, least recently used out
 first, a chain's start last."""
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import scoring.keys
-from scoring.keys import ChainMemo, block_keys, chain_digests, extra_keys, root_digest
+import kvindex.keys
+from kvindex.keys import ChainMemo, block_keys, chain_digests, extra_keys, root_digest
 
 ROOT = root_digest("42")
 VOCAB = 151_936  # Qwen3's
@@ -31,13 +31,13 @@ def plain_keys(ids: list[int], **options) -> list[int]:
 def computed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Blocks hashed by each call of the plain chain: the memo's misses, and the plain references."""
     counts: list[int] = []
-    plain = scoring.keys.chain_digests
+    plain = kvindex.keys.chain_digests
 
     def counting(ids, *, block_size, parent, extra=None):
         counts.append(len(ids) // block_size)
         return plain(ids, block_size=block_size, parent=parent, extra=extra)
 
-    monkeypatch.setattr(scoring.keys, "chain_digests", counting)
+    monkeypatch.setattr(kvindex.keys, "chain_digests", counting)
     return counts
 
 

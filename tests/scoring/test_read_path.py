@@ -12,9 +12,8 @@ import random
 
 import pytest
 
-from scoring.config import ModelSettings, ServiceConfig
-from scoring.keys import MultimodalFeature, block_keys
-from scoring.prefix_store import PrefixStore
+from kvindex.keys import MultimodalFeature, block_keys
+from registry.config import ModelSettings, ServiceConfig
 from scoring.read_path import (
     BLOCK_KEY_MEMO,
     ChatRequest,
@@ -24,7 +23,8 @@ from scoring.read_path import (
     key_prompt,
     key_token_ids,
 )
-from scoring.tokenization import LoadedTokenizer, TokenizerRegistry
+from tokenization.prefix_store import PrefixStore
+from tokenization.tokenizers import LoadedTokenizer, TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 

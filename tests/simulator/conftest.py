@@ -11,10 +11,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ingest.events import Message, decode_message
-from scoring.tokenization import TokenizerRegistry
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
 from simulator.pod import PodTokenizer
 from tests.servers import wait_until
+from tokenization.tokenizers import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 ZERO_LATENCY = LatencyConfig(prefill_overhead_ms=0, prefill_time_per_token_ms=0, inter_token_latency_ms=0)

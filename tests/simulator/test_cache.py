@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored
-from scoring.keys import block_keys
+from kvindex.keys import block_keys
 from simulator.cache import BlockCache
 
 B = 4  # tokens per block in these tests

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scoring.config import ModelSettings, ServiceConfig
-from scoring.keys import block_keys
+from kvindex.keys import block_keys
+from registry.config import ModelSettings, ServiceConfig
 from simulator.config import ConfigError
 from simulator.management.commands.simulate import Command, fleet_config
 from tests.simulator.conftest import MODEL, Collector, wait_until

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from ingest.events import BlockStored
-from scoring.keys import block_keys
+from kvindex.keys import block_keys
 from simulator.config import EngineConfig, LatencyConfig
 from simulator.engine import Engine, EngineRequest, QueueFull, RequestState, RequestTooLarge
 from tests.simulator.conftest import ZERO_LATENCY

@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from ingest.events import AllBlocksCleared, BlockStored
-from scoring.keys import block_keys
+from kvindex.keys import block_keys
 from simulator.config import FAILURE_TYPES, FailureConfig
 from simulator.errors import INJECTED
 from simulator.pod import Pod, PodTokenizer

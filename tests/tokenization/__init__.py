@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from scoring.tokenization import qwen_package_tokenizer_dir
+from tokenization.tokenizers import qwen_package_tokenizer_dir
 
 TINY_CORPUS = [
     "the quick brown fox jumps over the lazy dog",

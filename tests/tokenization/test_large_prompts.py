@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from scoring.large_prompts import LargePromptTokenizer
-from scoring.prefix_store import PrefixStore, TooManyTokens
-from scoring.tokenization import TokenizerRegistry
+from tokenization.large_prompts import LargePromptTokenizer
+from tokenization.prefix_store import PrefixStore, TooManyTokens
+from tokenization.tokenizers import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +61,8 @@ def test_text_that_is_not_unicode_is_refused_before_the_child_sees_it(registry):
 def test_the_child_exits_when_its_parent_is_killed():
     script = (
         "import os, signal\n"
-        "from scoring.large_prompts import LargePromptTokenizer\n"
-        "from scoring.tokenization import TokenizerRegistry\n"
+        "from tokenization.large_prompts import LargePromptTokenizer\n"
+        "from tokenization.tokenizers import TokenizerRegistry\n"
         "large = LargePromptTokenizer(min_chars=10)\n"
         "TokenizerRegistry(large_prompts=large).tokenize('Qwen/Qwen3-0.6B', 'hello there ' * 10)\n"
         "print(*large._pool._processes, flush=True)\n"

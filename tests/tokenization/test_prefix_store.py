@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from scoring.prefix_store import Encoding, PrefixStore, TooManyTokens, chunk_char_ends
-from scoring.tokenization import LoadedTokenizer, TokenizerRegistry
 from tests.tokenization import train_tiny_tokenizer
+from tokenization.prefix_store import Encoding, PrefixStore, TooManyTokens, chunk_char_ends
+from tokenization.tokenizers import LoadedTokenizer, TokenizerRegistry
 
 CHUNK = 256
 

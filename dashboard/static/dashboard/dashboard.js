@@ -291,7 +291,7 @@
 
   // ---- the fleet page ---------------------------------------------------------------------
 
-  // A pod's state (scoring/liveness.py pod_state), in the order a sort puts them.
+  // A pod's state (registry/liveness.py pod_state), in the order a sort puts them.
   const STATUS_RANK = { active: 0, idle: 1, stale: 2, down: 3, disabled: 4 };
 
   const COLUMNS = [

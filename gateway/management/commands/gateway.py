@@ -9,7 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 
 from gateway.policies import POLICIES
-from scoring.management.commands.serve import add_server_arguments, run_server
+from kvsite.management.commands.serve import add_server_arguments, run_server
 
 APPLICATION = "gateway.asgi:application"
 

@@ -3,7 +3,7 @@
 A thin shell: it wires the receiver, the shard pool and one ``EventApplier`` per worker (all in
 the pure core), and does the housekeeping that needs Django: registering the pods it sees,
 sharing its counters, recording the dashboard's history (``ingest.history``), serving Prometheus
-metrics, probing the pods' health (``scoring.liveness``) and expiring pods long unheard of.
+metrics, probing the pods' health (``registry.liveness``) and expiring pods long unheard of.
 SIGTERM/SIGINT drain the queues and exit 0.
 """
 
@@ -32,10 +32,17 @@ from ingest.pipeline import IngestPipeline
 from ingest.processes import refuse_memory_index
 from ingest.replay import ReplayClient
 from ingest.stats import IngestStats, IngestStatsCollector
-from scoring.index import KVIndex, open_index
-from scoring.index.base import IndexUnavailable
-from scoring.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
-from scoring.runtime import (
+from kvindex import KVIndex, open_index
+from kvindex.base import IndexUnavailable
+from kvindex.shared_stats import (
+    instance_id,
+    publish_snapshot,
+    read_scoring,
+    read_snapshots,
+    withdraw_snapshot,
+)
+from registry.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
+from registry.runtime import (
     connect_index,
     get_index,
     index_is_shared,
@@ -44,14 +51,7 @@ from scoring.runtime import (
     service_config,
     set_index,
 )
-from scoring.services import expire_pods, record_learned_groups, record_pods_seen, set_pod_health
-from scoring.streams import (
-    instance_id,
-    publish_snapshot,
-    read_scoring,
-    read_snapshots,
-    withdraw_snapshot,
-)
+from registry.services import expire_pods, record_learned_groups, record_pods_seen, set_pod_health
 
 log = logging.getLogger("ingest")
 

@@ -21,9 +21,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
-from scoring.config import ServiceConfig
-from scoring.services import register_pods
-from scoring.tokenization import TokenizerError, TokenizerRegistry
+from registry.config import ServiceConfig
+from registry.services import register_pods
 from simulator.config import (
     FAILURE_TYPES,
     ConfigError,
@@ -35,6 +34,7 @@ from simulator.config import (
 )
 from simulator.fleet import Fleet, FleetConfig, PublishConfig
 from simulator.pod import PodTokenizer
+from tokenization.tokenizers import TokenizerError, TokenizerRegistry
 
 _NO_ENDPOINT = ("", "none", "off")
 
@@ -42,7 +42,7 @@ _NO_ENDPOINT = ("", "none", "off")
 def registry_config() -> ServiceConfig:
     """The registry snapshot (hash seed, model settings); the settings' defaults when the database
     is not usable (not migrated yet, unreachable)."""
-    from scoring.runtime import service_config
+    from registry.runtime import service_config
 
     try:
         return service_config()
@@ -106,7 +106,7 @@ def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetCo
 def load_tokenizer(model: str, *, chat_template: str) -> PodTokenizer:
     """The model's tokenizer from the manager's registry (configured from the settings and the
     model config); without a usable database, from the settings' sources only."""
-    from scoring.runtime import build_tokenizers
+    from registry.runtime import build_tokenizers
 
     try:
         return PodTokenizer(build_tokenizers(), model, chat_template=chat_template)
