@@ -28,7 +28,7 @@ help:
 	@echo "              load; Ctrl-C stops them in order (load, fleet, servers, ingest, Valkey)"
 	@echo "              Ports: WEB_PORT GATEWAY_PORT REDIS_PORT INGEST_ENDPOINT SIM_BASE_PORT SIM_REPLAY_PORT"
 	@echo "make test   - install everything and run the test suite"
-	@echo "make lint   - ruff check and format check"
+	@echo "make lint   - ruff check and format check, and the import contracts of the layers"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
 	@echo "make bench-peers - the peer routers (vllm-router, sglang-router) into var/peers"
 	@echo "make conformance - vLLM 0.33's own KV-cache manager and publisher against ingest and scoring"
@@ -83,9 +83,11 @@ test: install system-deps bench-peers lint
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory conformance
 
+# The import contracts (pyproject.toml, [tool.importlinter]): the layers of the README's architecture.
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-logo --no-cache
 
 format: install
 	$(BIN)/ruff format .

@@ -4,4 +4,7 @@ holds the most of the request's prefix, weighed against its load.
 The core (``policies``, ``memory``, ``load``, ``app``) imports no Django; ``asgi`` and the
 ``gateway`` command are the Django shell that hands it the registry snapshot, the index and the
 tokenizers.
+
+May import: ``scoring`` (the read path), ``registry``, ``kvindex``, ``tokenization``, ``stack``
+(the uvicorn runner); never ``ingest`` or ``dashboard`` (``make lint``'s contracts).
 """

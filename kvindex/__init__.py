@@ -1,9 +1,18 @@
-"""The KV-block index: which pod holds which block key, on which tier.
+"""The KV-block index: which pod holds which block key, on which tier. The state every other
+box shares: ``ingest`` writes it, ``scoring``, the gateway and the dashboard read it.
 
-One interface (``KVIndex`` in ``base``), one module per backend: ``memory`` (in-process, bounded
-LRU), ``redis`` (one Redis / Valkey server, shared between processes and replicas) and ``cluster``
-(a Valkey / Redis Cluster: one model spread over every master). All pass ``tests/index``.
-``open_index`` picks the backend from a URL.
+* ``keys``: block keys and the chain (vLLM's block-hash scheme), the one name of a block;
+* the index: one interface (``KVIndex`` in ``base``), one module per backend: ``memory``
+  (in-process, bounded LRU), ``redis`` (one Redis / Valkey server, shared between processes and
+  replicas), ``cluster`` (a Valkey / Redis Cluster: one model spread over every master), and
+  ``resp``, the asyncio reader the Redis backends answer lookups with. All pass
+  ``tests/kvindex``; ``open_index`` (here) picks the backend from a URL;
+* ``epochs``: the markers that tell readers a model's index data is lost or being rebuilt;
+* ``kv_cache_groups``: a hybrid model's KV-cache groups and vLLM's prefix-hit rule over them;
+* ``shared_stats``: the ingest processes' counters and the fleet's history, as the other processes
+  read them from Redis.
+
+May import: nothing of this project's. No Django, no tokenizers (``make lint``'s contracts).
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from dashboard import traffic  # noqa: E402
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
 from registry import runtime  # noqa: E402
+from scoring.wiring import build_scoring_app  # noqa: E402
 
-scoring_app = runtime.scoring_app()
+scoring_app = build_scoring_app()
 FAST_PATHS = frozenset(scoring_app.PATHS)
 
 websockets = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))

@@ -285,7 +285,7 @@ REST_FRAMEWORK = {
     # JSON only (no view takes forms or files), size- and depth-limited: see kvsite/drf.py.
     "DEFAULT_PARSER_CLASSES": ["kvsite.drf.BoundedJSONParser"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
-    "EXCEPTION_HANDLER": "registry.api.errors.exception_handler",
+    "EXCEPTION_HANDLER": "kvsite.drf.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "KV-cache aware routing service",

@@ -1,8 +1,12 @@
-"""URL map: admin, dashboard, API (registry, schema and docs), metrics; ``/`` is the dashboard."""
+"""URL map: admin, dashboard, the registry API, the API's schema and docs, metrics; ``/`` is the
+dashboard. The scoring endpoints never reach Django (``kvsite.asgi`` sends them to the fast path,
+``scoring.fastpath.openapi`` adds them to the schema); the probes, ``/healthz`` and ``/readyz``,
+are answered before the Host header is checked (``kvsite.middleware``)."""
 
 from django.contrib import admin
 from django.urls import include, path, reverse_lazy
 from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from kvsite.metrics import metrics_view
 
@@ -14,5 +18,13 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("dashboard/", include("dashboard.urls")),
     path("", include("registry.api.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    # ReDoc without the web fonts drf-spectacular's page loads from Google (kvsite/templates).
+    path(
+        "api/redoc/",
+        SpectacularRedocView.as_view(url_name="schema", template_name="kvsite/redoc.html"),
+        name="api-redoc",
+    ),
     path("metrics", metrics_view, name="metrics"),
 ]

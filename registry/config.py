@@ -7,8 +7,6 @@ without a restart. Nothing here imports Django.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -18,19 +16,6 @@ from kvindex.kv_cache_groups import KVCacheGroup
 
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu": 0.8})
 DEFAULT_OTHER_TIER_WEIGHT = 0.5
-
-BACKGROUND_NICENESS = 10
-"""How much lower the CPU priority of bulk work (large prompts, request templates) is than the
-web process's: under contention for the cores, small scoring requests go first."""
-
-
-def lower_priority(pid_or_thread_id: int) -> None:
-    """Run a process (or, on Linux, a thread: niceness is per thread) ``BACKGROUND_NICENESS``
-    lower than it runs now; nothing when the system refuses."""
-    with contextlib.suppress(OSError):
-        current = os.getpriority(os.PRIO_PROCESS, pid_or_thread_id)
-        os.setpriority(os.PRIO_PROCESS, pid_or_thread_id, current + BACKGROUND_NICENESS)
-
 
 DP_RANK_SEPARATOR = "#dp"
 """Data-parallel rank r > 0 of pod P is indexed as ``P#dp<r>`` (``ingest.applier.holder_id``)."""

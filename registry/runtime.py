@@ -1,8 +1,12 @@
-"""This process's handles on the shared state: the index, the tokenizer registry and the registry
-snapshot. One of each per process, built from the settings on first use; tests replace them.
+"""This process's handles on the shared state: the registry snapshot, the index, the tokenizer
+registry and the template sandbox. One of each per process, built from the settings on first
+use; tests replace them.
 
-The core (read path, fast path, ingest pipeline) takes these as arguments; only the Django shell
-(views, commands, ``kvsite.asgi``) reaches for them here.
+They live with the registry, below scoring, because the registry's own writes need them (a
+disabled pod's blocks leave the index, a model's tokenizer source is loaded before it is saved),
+and the tokenizer registry follows the model configs. The core (read path, fast path, ingest
+pipeline, gateway) takes these as arguments; only the Django shells (views, commands,
+``kvsite.asgi``, ``gateway.asgi``, ``scoring.wiring``) reach for them here.
 """
 
 from __future__ import annotations
@@ -15,15 +19,12 @@ from pathlib import Path
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.core.signals import setting_changed
-from django.dispatch import receiver
 
 from kvindex import KVIndex, open_index
 from kvindex.epochs import EpochWatch
 from registry.config import ServiceConfig
 from registry.selectors import load_service_config
 from registry.snapshot import ConfigSource
-from scoring.fastpath.app import FastPathSettings, Handles, ScoringApp
 from tokenization.large_prompts import LargePromptTokenizer
 from tokenization.prefix_store import PrefixStore
 from tokenization.template_sandbox import TemplateSandbox
@@ -268,39 +269,3 @@ def close_sandbox() -> None:
         if _sandbox is not None:
             _sandbox.close()
         _sandbox = None
-
-
-_fastpath_settings: FastPathSettings | None = None
-
-
-def fastpath_settings() -> FastPathSettings:
-    """The fast path's settings, read once from Django's (again after a test changes one)."""
-    global _fastpath_settings
-    if _fastpath_settings is None:
-        _fastpath_settings = FastPathSettings(
-            api_keys=tuple(settings.KVCACHE_API_KEYS),
-            max_body_bytes=settings.KVCACHE_MAX_BODY_BYTES,
-            allow_request_templates=settings.KVCACHE_REQUEST_TEMPLATES,
-            threads=settings.KVCACHE_SCORING_THREADS,
-            max_json_depth=settings.KVCACHE_MAX_JSON_DEPTH,
-        )
-    return _fastpath_settings
-
-
-@receiver(setting_changed)
-def _settings_changed(**kwargs: object) -> None:
-    global _fastpath_settings
-    _fastpath_settings = None
-
-
-def scoring_app() -> ScoringApp:
-    """The fast path, wired to this process's handles."""
-    return ScoringApp(
-        Handles(
-            settings=fastpath_settings,
-            config=config_source,
-            index=get_index,
-            tokenizers=get_tokenizers,
-            sandbox=get_sandbox,
-        )
-    )

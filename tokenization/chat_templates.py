@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -53,9 +53,6 @@ from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
 from jinja2.utils import Namespace, generate_lorem_ipsum
 from markupsafe import Markup
-
-if TYPE_CHECKING:
-    from tokenization.template_sandbox import TemplateSandbox
 
 # The named special tokens transformers passes to every template (``special_tokens_map``).
 SPECIAL_TOKEN_NAMES = (
@@ -188,6 +185,23 @@ def special_tokens(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
     return found
 
 
+class TemplateRenderer(Protocol):
+    """Renders untrusted templates elsewhere, as ``render_template`` would here (with budgets of
+    its own): ``tokenization.template_sandbox.TemplateSandbox``."""
+
+    def render(
+        self,
+        template: str,
+        conversation: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RenderedChat:
     """The prompt text and how long rendering took (seconds), for the render-latency histogram."""
@@ -206,7 +220,7 @@ def render_chat(
     add_generation_prompt: bool = False,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
-    sandbox: TemplateSandbox | None = None,
+    sandbox: TemplateRenderer | None = None,
     allow_request_templates: bool = True,
 ) -> RenderedChat:
     """Render ``messages`` with the request's ``chat_template`` or the model's own.

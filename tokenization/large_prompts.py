@@ -17,8 +17,8 @@ from array import array
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from registry.config import BACKGROUND_NICENESS
 from tokenization.prefix_store import TooManyTokens
+from tokenization.priority import BACKGROUND_NICENESS
 
 DEFAULT_MIN_CHARS = 256 * 1024
 """Prompts of at least this many characters are tokenized in the child process."""

@@ -42,7 +42,6 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from registry.config import lower_priority
 from tokenization.chat_templates import (
     DEFAULT_MAX_OUTPUT_CHARS,
     ChatTemplateError,
@@ -51,6 +50,7 @@ from tokenization.chat_templates import (
     plain_data,
     render_template,
 )
+from tokenization.priority import lower_priority
 
 logger = logging.getLogger(__name__)
 

@@ -59,9 +59,8 @@ return n
 
 class TooManyAttempts(exceptions.Throttled):
     """429 ``too_many_attempts``: the client failed to log in too often; ``wait`` is how many
-    seconds until it may try again. ``registry.api.errors`` answers it with its status and code
-    (it cannot be one of that module's ``ApiError``: DRF imports this module while loading
-    ``rest_framework.views``, which that module imports)."""
+    seconds until it may try again. The site's exception handler (``kvsite.drf``) answers it with
+    its status and code."""
 
     default_detail = "too many failed logins from this address:"
     default_code = "too_many_attempts"

@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 
 from kvindex import KVIndex
-from registry.config import ServiceConfig, lower_priority
+from registry.config import ServiceConfig
 from registry.snapshot import ConfigSource
 from scoring import read_path
 from scoring.fastpath import metrics
@@ -52,6 +52,7 @@ from scoring.fastpath.schema import (
     decode,
 )
 from scoring.read_path import ChatRequest, KeyedRequest, ScoreResult
+from tokenization.priority import lower_priority
 from tokenization.template_sandbox import TemplateSandbox
 from tokenization.tokenizers import TokenizerRegistry
 

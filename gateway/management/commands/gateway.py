@@ -1,15 +1,17 @@
 """``python manage.py gateway``: the OpenAI gateway (``gateway.asgi``) under uvicorn workers, as
-``serve`` runs the web application."""
+``serve`` runs the web application (``stack.asgi_server``)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
 from gateway.policies import POLICIES
-from kvsite.management.commands.serve import add_server_arguments, run_server
+from stack.asgi_server import add_server_arguments, run_server
 
 APPLICATION = "gateway.asgi:application"
 
@@ -26,7 +28,8 @@ class Command(BaseCommand):
             help="routing policy (default: KVCACHE_GATEWAY_POLICY, kv-load)",
         )
 
-    def handle(self, *args: Any, policy: str | None, **options: Any) -> None:
+    def handle(self, *args: Any, policy: str | None, port: int, **options: Any) -> None:
         if policy:
             os.environ["KVCACHE_GATEWAY_POLICY_OVERRIDE"] = policy  # read by every worker's gateway.asgi
-        run_server(self, APPLICATION, **options)
+        metrics_dir = Path(settings.VAR_DIR) / f"metrics-{port}"
+        run_server(APPLICATION, port=port, metrics_dir=metrics_dir, say=self.stdout.write, **options)
