@@ -102,6 +102,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.machine import machine  # noqa: E402
+from stack.asgi_server import HTTP_PROTOCOL  # noqa: E402
 
 MODEL = "Qwen/Qwen3-0.6B"
 SEED = "42"
@@ -322,7 +323,6 @@ def tokenizer_ms(cold: ColdPrompts, *, repeats: int = 100) -> float:
 # that stopped answering its pings. Lifespan "auto" where serve says "on": an app without
 # lifespan support (kvsite.asgi before the fast path) still starts. The HTTP protocol is serve's
 # (httptools with TCP_NODELAY on every connection: stack/asgi_server.py).
-HTTP_PROTOCOL = "stack.asgi_server:NoDelayHttpToolsProtocol"
 UVICORN_OPTIONS = (
     *("--http", HTTP_PROTOCOL, "--ws", "websockets", "--lifespan", "auto"),
     *("--timeout-graceful-shutdown", "8", "--no-proxy-headers", "--no-access-log", "--log-level", "info"),
