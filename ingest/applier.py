@@ -29,7 +29,7 @@ engine hashes (``sub_block_hash``) that its ``BlockRemoved`` removes too.
 Hybrid models (``kvindex.kv_cache_groups``): the blocks of KV-cache group ``g > 0`` (``group_idx``)
 are kept under the holder ``<holder>#g<g>`` with masked keys and digests, each group chained,
 removed and cleared on its own (an ``AllBlocksCleared`` clears every group); the groups an event
-describes (``kv_cache_spec_kind``) are learned (``IngestStats.learned_groups``). Only group 0's
+describes (``kv_cache_spec_kind``) are learned, per pod (``IngestStats.learned_groups``). Only group 0's
 blocks are judged for hash alignment (the others repeat its hashes).
 
 Batches are *staged* (turned into ``IndexUpdate`` values, counters bumped) and then *flushed*
@@ -62,7 +62,7 @@ from kvindex.keys import (
     keyed_extra,
     root_digest,
 )
-from kvindex.kv_cache_groups import group_digest, group_holder
+from kvindex.kv_cache_groups import GROUP_RULES, group_digest, group_holder
 from registry.config import DP_RANK_SEPARATOR, ServiceConfig
 
 PARENT_CACHE_SIZE = 8192
@@ -309,10 +309,10 @@ class EventApplier:
                 group = event.group_idx or 0
                 indexed_as, state = self._state(model, holder, group, block_size)
                 if isinstance(event, BlockStored):
-                    if event.kv_cache_spec_kind is not None:
-                        self.stats.learn_group(
-                            model, group, event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
-                        )
+                    kind = event.kv_cache_spec_kind
+                    if kind in GROUP_RULES:  # an unknown kind says nothing we use
+                        window = event.kv_cache_spec_sliding_window if GROUP_RULES[kind] == "window" else None
+                        self.stats.learn_group(pod, model, group, kind, window)
                     self._stage_store(
                         event, model=model, holder=indexed_as, state=state, stream=stream, config=config
                     )
@@ -361,8 +361,10 @@ class EventApplier:
 
     def forget(self, pod: str) -> None:
         """Drop what is remembered of ``pod`` (it was disabled or deleted)."""
-        for key in [k for k in self._pods if k[0] == pod or k[0].startswith(pod + "#")]:
-            del self._pods[key]
+        for key in [k for k in list(self._pods) if k[0] == pod or k[0].startswith(pod + "#")]:
+            self._pods.pop(key, None)
+        for key in [k for k in list(self._groups) if k[0] == pod or k[0].startswith(pod + "#")]:
+            self._groups.pop(key, None)
 
     def _clear_disabled(self, pod: str) -> None:
         """The first batch of a pod after it was disabled clears what this worker indexed for it,

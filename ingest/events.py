@@ -39,7 +39,8 @@ from typing import Any, Final, Literal, TypeAlias
 
 import msgpack
 
-from kvindex.keys import normalize_hash
+from kvindex.keys import MAX_BLOCK_SIZE, normalize_hash
+from kvindex.kv_cache_groups import MAX_KV_CACHE_GROUPS, MAX_SLIDING_WINDOW
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -62,6 +63,9 @@ __all__ = [
 
 DEFAULT_TIER: Final = "gpu"
 SEQ_SIZE: Final = 8
+MAX_DATA_PARALLEL_RANKS: Final = 1024
+"""A batch's ``data_parallel_rank`` is below this (each rank of a pod is a stream of its own, with
+its own state: a larger one is refused before anything is kept of it)."""
 _U64: Final = (1 << 64) - 1
 
 REASONS: Final[Mapping[str, str]] = MappingProxyType(
@@ -77,7 +81,10 @@ REASONS: Final[Mapping[str, str]] = MappingProxyType(
         "too_large": "a payload over the message size limit (the whole batch is skipped)",
         "too_many_events": "a batch with more events than the limit (the whole batch is skipped)",
         "too_many_blocks": "an event with more block hashes or token ids than the limit (skipped)",
-        "too_many_pods": "a message of a new pod when ingest already receives the most pods it may",
+        "too_many_pods": "a message of a new unregistered pod when ingest already receives from the most "
+        "unregistered pods it may (none of them quiet long enough to give its place)",
+        "unregistered_pod": "a message of a pod not registered for that model, refused "
+        "(KVCACHE_INGEST_REGISTERED_PODS_ONLY)",
     }
 )
 """Every ``DecodeError.reason``, with what it means. The keys are metric label values."""
@@ -93,7 +100,7 @@ class DecodeLimits:
     max_events: int = 4096
     max_blocks: int = 65536
     max_name_chars: int = 256  # pod and model names (topic parts)
-    max_pods: int = 4096  # distinct pods one ingest process receives from (each costs state)
+    max_pods: int = 4096  # unregistered pods one ingest process receives from at once (each costs state)
 
 
 DEFAULT_LIMITS: Final = DecodeLimits()
@@ -284,7 +291,8 @@ _TIERS: Final[dict[Any, str]] = {
 
 
 def _field(name: str, expected: str, value: object) -> DecodeError:
-    return DecodeError("field", f"{name} must be {expected}, not {type(value).__name__}")
+    shown = repr(value) if type(value) is int else type(value).__name__  # msgpack ints have <= 20 digits
+    return DecodeError("field", f"{name} must be {expected}, not {shown}")
 
 
 def _text(value: bytes, reason: str, what: str) -> str:
@@ -338,6 +346,14 @@ def _optional_int(value: object, name: str) -> int | None:
     if value is None or (type(value) is int and value >= 0):
         return value  # type: ignore[return-value]
     raise _field(name, "a non-negative int or nil", value)
+
+
+def _group(value: object) -> int | None:
+    """``group_idx``: nil, or a KV-cache group below ``MAX_KV_CACHE_GROUPS`` (a group sizes what is
+    kept of each pod, so a larger one is refused before anything is kept of it)."""
+    if value is None or (type(value) is int and 0 <= value < MAX_KV_CACHE_GROUPS):
+        return value  # type: ignore[return-value]
+    raise _field("group_idx", f"an int from 0 to {MAX_KV_CACHE_GROUPS - 1} or nil", value)
 
 
 def _label(value: object) -> str | None:
@@ -399,8 +415,8 @@ def _stored(
         raise _field("token_ids", "an array of ints", tokens)
     if block_size is None:
         block_size = 0
-    elif type(block_size) is not int or block_size < 0:
-        raise _field("block_size", "a non-negative int", block_size)
+    elif type(block_size) is not int or not 0 <= block_size <= MAX_BLOCK_SIZE:
+        raise _field("block_size", f"an int from 0 to {MAX_BLOCK_SIZE}", block_size)
     if lora_name is not None and type(lora_name) is not str:
         if type(lora_name) is not bytes:
             raise _field("lora_name", "a string or nil", lora_name)
@@ -422,13 +438,13 @@ def _stored(
         _tier(medium),
         lora_name or None,
         extra,
-        _optional_int(group_idx, "group_idx"),
+        _group(group_idx),
         _lookahead(lookahead, len(hashes)),
         _label(locality),
         _label(ownership),
         _label(session_id),
         _label(spec_kind),
-        spec_window if type(spec_window) is int and spec_window > 0 else None,
+        spec_window if type(spec_window) is int and 0 < spec_window <= MAX_SLIDING_WINDOW else None,
     )
 
 
@@ -438,7 +454,7 @@ def _removed(
     return BlockRemoved(
         _block_hashes(hashes),
         _tier(medium),
-        _optional_int(group_idx, "group_idx"),
+        _group(group_idx),
         _label(locality),
         _label(ownership),
     )
@@ -563,8 +579,10 @@ def decode_batch(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Event
         raise DecodeError("batch", f"events must be an array, not {type(events).__name__}")
     if len(events) > limits.max_events:
         raise DecodeError("too_many_events", f"{len(events)} events, over the limit of {limits.max_events}")
-    if rank is not None and type(rank) is not int:
-        raise DecodeError("batch", f"data_parallel_rank must be an int or nil, not {type(rank).__name__}")
+    if rank is not None and not (type(rank) is int and 0 <= rank < MAX_DATA_PARALLEL_RANKS):
+        raise DecodeError(
+            "batch", f"data_parallel_rank must be an int from 0 to {MAX_DATA_PARALLEL_RANKS - 1} or nil"
+        )
 
     out: list[Event] = []
     append = out.append

@@ -27,7 +27,7 @@ import zmq
 
 from ingest.applier import EventApplier, holder_id
 from ingest.events import DEFAULT_LIMITS, DecodeLimits
-from ingest.pool import Adopt, DecodingHandler, Receiver, ShardPool
+from ingest.pool import DEFAULT_ADMISSION, Admission, Adopt, DecodingHandler, Receiver, ShardPool
 from ingest.processes import ProcessShardPool, ReplaySettings, refuse_memory_index
 from ingest.replay import ReplayClient, ReplayFailed
 from ingest.resync import CatchUp, Fetched
@@ -65,6 +65,7 @@ class IngestPipeline:
         context: zmq.Context | None = None,
         gc_freeze_seconds: float | None = 1.0,
         limits: DecodeLimits = DEFAULT_LIMITS,
+        admission: Admission = DEFAULT_ADMISSION,
         replay: ReplayClient | None = None,
         epoch_check_seconds: float | None = EPOCH_CHECK_SECONDS,
         processes: int = 1,
@@ -137,6 +138,9 @@ class IngestPipeline:
             context=context,
             limits=limits,
             managed_connect=replica,
+            config=config,
+            admission=admission,
+            on_evict=self._evicted,
         )
         self._thread = threading.Thread(target=self.receiver.run, name="ingest-receiver", daemon=True)
 
@@ -392,11 +396,20 @@ class IngestPipeline:
         )
 
     def forget_pod(self, pod: str) -> None:
-        """Drop per-pod state everywhere (the pod was disabled or deleted)."""
+        """Drop per-pod state everywhere (the pod was disabled, deleted or expired): it no longer
+        holds a place in the receiver either."""
+        self._forget_workers(pod)
+        self.receiver.forget_pod(pod)
+        self.stats.forget_pod(pod)
+
+    def _evicted(self, pod: str) -> None:
+        """An unregistered pod gave its place in the receiver (``Admission``): what the workers
+        remember of it goes, and housekeeping deletes its registry row and its blocks."""
+        self._forget_workers(pod)
+        self.stats.evicted(pod)
+
+    def _forget_workers(self, pod: str) -> None:
         for handler in self.handlers:
             handler.applier.forget(pod)
             handler.keeper.forget(pod)
-        if isinstance(self.pool, ProcessShardPool):
-            self.pool.forget_pod(pod)
-        self.receiver.forget_pod(pod)
-        self.stats.forget_pod(pod)
+        self.pool.forget_pod(pod)

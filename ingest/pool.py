@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,6 +27,7 @@ from ingest.replay import ReplayClient
 from ingest.resync import CatchUp, StreamKeeper
 from ingest.stats import IngestStats
 from kvindex.base import IndexUnavailable
+from registry.config import ServiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class Dispatcher(Protocol):
 
     def shard(self, pod: str) -> int: ...
 
+    def forget_pod(self, pod: str) -> None: ...
+
     def submit_parcel(self, worker: int, items: list[Received | CatchUp]) -> None: ...
 
 
@@ -151,6 +154,10 @@ class ShardPool:
         if found is None:
             found = self._shard_of[pod] = fnv1a_32(pod.encode()) // self._sharded_by % len(self.queues)
         return found
+
+    def forget_pod(self, pod: str) -> None:
+        """``pod`` is gone: its shard is worked out again if it comes back."""
+        self._shard_of.pop(pod, None)
 
     def submit(self, item: Received | CatchUp) -> None:
         """Queue one message (or catch-up) for its pod's worker (see ``submit_parcel``)."""
@@ -310,8 +317,29 @@ MALFORMED_LOG = RateLimitedLog(log)
 """Where the receiver and the workers report bad input (reasons are few: the dict stays small)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Which pods' messages the receiver takes (anyone who reaches the event port can name any pod).
+
+    Registered pods (the registry's ``registered_pods``) always. Other pods, unless
+    ``registered_only``: at most ``DecodeLimits.max_pods`` at once; when that many are admitted,
+    the one heard from least recently gives its place to a new pod if it has been quiet for
+    ``idle_seconds`` (and is forgotten: ``Receiver.on_evict``), else the new pod's message is
+    refused (``too_many_pods``). So a flood of made-up pod names can neither take a registered
+    pod's place nor keep a real unregistered pod out for longer than the flood goes on.
+    ``registered_only``: a message is taken only from a pod registered for that model
+    (``unregistered_pod`` otherwise): the registry is the allow-list."""
+
+    registered_only: bool = False
+    idle_seconds: float = 600.0
+
+
+DEFAULT_ADMISSION = Admission()
+
+
 class Receiver:
-    """SUB sockets (bound and/or connected) read by one thread, feeding a ``ShardPool``."""
+    """SUB sockets (bound and/or connected) read by one thread, feeding a ``ShardPool``, taking
+    the messages of the pods ``admission`` admits (``config`` says which pods are registered)."""
 
     def __init__(
         self,
@@ -325,6 +353,9 @@ class Receiver:
         context: zmq.Context | None = None,
         limits: DecodeLimits = DEFAULT_LIMITS,
         managed_connect: bool = False,
+        config: Callable[[], ServiceConfig] = ServiceConfig,
+        admission: Admission = DEFAULT_ADMISSION,
+        on_evict: Callable[[str], None] = lambda pod: None,
     ) -> None:
         if not bind and not connect and not managed_connect:
             raise ValueError("give at least one endpoint to bind or connect")
@@ -332,6 +363,10 @@ class Receiver:
         self.stats = stats
         self.topic = topic
         self.limits = limits
+        self.config = config
+        self.admission = admission
+        self.on_evict = on_evict
+        """Called, on the receiving thread, with an unregistered pod that gave its place."""
         self.context = context or zmq.Context.instance()
         self.sockets: list[zmq.Socket] = []
         self.bound: list[str] = []
@@ -352,7 +387,9 @@ class Receiver:
                     opened.close(0)
                 raise
         self._stop = threading.Event()
-        self._pods: set[str] = set()  # pods received from (bounded by limits.max_pods)
+        self._registered: dict[str, str] = {}  # admitted registered pods -> their model
+        # Admitted unregistered pods -> when they last sent (monotonic), least recent first.
+        self._unregistered: OrderedDict[str, float] = OrderedDict()
         self._rcvhwm = rcvhwm
         # The connect set (``set_connected``): wished by any thread, applied by the receiving one.
         self._wanted: frozenset[str] | None = None
@@ -405,8 +442,9 @@ class Receiver:
         self.connected = frozenset(connected)
 
     def forget_pod(self, pod: str) -> None:
-        """``pod`` is gone (deleted from the registry): it no longer counts against max_pods."""
-        self._pods.discard(pod)
+        """``pod`` is gone (deleted from the registry): it no longer holds a place."""
+        self._registered.pop(pod, None)
+        self._unregistered.pop(pod, None)
 
     def run(self) -> None:
         """Receive until ``stop()``; never raises on bad input (it is counted)."""
@@ -449,15 +487,55 @@ class Receiver:
             if pod in self.foreign:
                 self.foreign_messages += 1
                 return None
-            if pod not in self._pods:
-                if len(self._pods) >= self.limits.max_pods:
-                    raise DecodeError("too_many_pods", f"{pod[:80]!r}: already {len(self._pods)} pods")
-                self._pods.add(pod)
+            self._admit(pod, model)
         except DecodeError as e:
             self.stats.unattributed_errors[e.reason] += 1
             MALFORMED_LOG.warning(e.reason, "skipped a malformed message: %s", e)
             return None
         return Received(pod, model, seq, frames[2], time.time())
+
+    def _admit(self, pod: str, model: str) -> None:
+        """Take a message of ``pod`` for ``model``, or raise ``DecodeError`` (see ``Admission``).
+        The registry is read only for a pod not admitted yet, or at the limit."""
+        registered_model = self._registered.get(pod)
+        if registered_model is not None and (registered_model == model or not self.admission.registered_only):
+            return
+        if pod in self._unregistered:
+            self._unregistered[pod] = time.monotonic()
+            self._unregistered.move_to_end(pod)
+            return
+        config = self.config()
+        if pod in config.registered_pods:
+            registered_model = config.pods.get(pod, model)
+            if self.admission.registered_only and registered_model != model:
+                raise DecodeError(
+                    "unregistered_pod",
+                    f"{pod[:80]!r} is registered for {registered_model[:80]!r}, not {model[:80]!r}",
+                )
+            self._registered[pod] = registered_model
+            return
+        if self.admission.registered_only:
+            raise DecodeError("unregistered_pod", f"{pod[:80]!r} is not in the pod registry")
+        if len(self._unregistered) >= self.limits.max_pods:
+            self._make_room(config)
+        self._unregistered[pod] = time.monotonic()
+
+    def _make_room(self, config: ServiceConfig) -> None:
+        """At the limit: the least recent unregistered pod moves out of the count if it has been
+        registered since, or gives its place if it has been quiet for ``idle_seconds``; else
+        ``too_many_pods``. One pod looked at: the cost stays constant however long a flood."""
+        oldest, last = next(iter(self._unregistered.items()))
+        if oldest in config.registered_pods:
+            del self._unregistered[oldest]
+            self._registered[oldest] = config.pods.get(oldest, "")
+            return
+        if time.monotonic() - last < self.admission.idle_seconds:
+            raise DecodeError(
+                "too_many_pods", f"already {len(self._unregistered)} unregistered pods, none quiet for long"
+            )
+        del self._unregistered[oldest]
+        self.stats.pods_evicted += 1
+        self.on_evict(oldest)
 
 
 class DecodingHandler:

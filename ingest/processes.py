@@ -310,8 +310,9 @@ class ProcessShardPool:
             )
 
     def forget_pod(self, pod: str) -> None:
-        """Drop what ``pod``'s process remembers of it (the pod was disabled or deleted)."""
+        """Drop what ``pod``'s process remembers of it (the pod was disabled, deleted or evicted)."""
         process = self.shard(pod)
+        self._shard_of.pop(pod, None)
         with self._state_lock:
             self._forgets_sent[process] += 1
             number = self._forgets_sent[process]

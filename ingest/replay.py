@@ -20,7 +20,7 @@ from typing import Final
 
 import zmq
 
-from registry.config import ServiceConfig, address_in_pod_id
+from registry.config import ServiceConfig
 
 __all__ = ["ReplayClient", "ReplayFailed", "derived_replay_endpoint", "fetch_replay", "offset_endpoint"]
 
@@ -124,8 +124,9 @@ class ReplayClient:
     bounds every replay keeps.
 
     An engine's endpoint is its pod's registry ``replay_endpoint``; failing that, with
-    ``port_offset``, ``tcp://host:(port + port_offset)`` of the pod's address (the registry's,
-    or a ``host:port`` pod id). Data-parallel rank r uses that endpoint's port + r, as vLLM does.
+    ``port_offset``, ``tcp://host:(port + port_offset)`` of the pod's registry address. Never one
+    a pod id names: ingest connects only where the registry says a pod is. Data-parallel rank r
+    uses that endpoint's port + r, as vLLM does.
     """
 
     def __init__(
@@ -150,7 +151,7 @@ class ReplayClient:
         config = self.config()
         base = config.replay_endpoints.get(pod)
         if base is None and self.port_offset is not None:
-            address = config.pod_addresses.get(pod) or address_in_pod_id(pod)
+            address = config.pod_addresses.get(pod)
             base = derived_replay_endpoint(address, self.port_offset) if address else None
         if base is None:
             return None

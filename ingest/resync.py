@@ -167,8 +167,8 @@ class StreamKeeper:
 
     def forget(self, pod: str) -> None:
         """Drop what is remembered of ``pod``'s engines (the pod was disabled or deleted)."""
-        for key in [k for k in self._engines if k[1] == pod or k[1].startswith(pod + "#dp")]:
-            del self._engines[key]
+        for key in [k for k in list(self._engines) if k[1] == pod or k[1].startswith(pod + "#dp")]:
+            self._engines.pop(key, None)
             self._progress.pop(key, None)
 
     def _engine(self, model: str, holder: str) -> _Engine:

@@ -90,18 +90,21 @@ class IngestStats:
         self.unattributed_errors: Counter = Counter()
         self.queue_full: Counter = Counter()
         self.index_losses = 0  # times a model's index data was found lost (epoch marker gone)
+        self.pods_evicted = 0  # unregistered pods that gave their place to a new one (ingest.pool.Admission)
+        self._evicted: list[str] = []  # those pods, until housekeeping takes them (``take_evicted``)
         self.started_at = time.time()
         self.recent_visible_latencies: deque[float] = deque(maxlen=latency_samples)
         self.visible_buckets = [0] * (len(VISIBLE_BUCKETS) + 1)
         self.visible_sum = 0.0
-        self.learned_groups: dict[str, dict[int, tuple[str, int | None]]] = {}
-        """model -> group_idx -> (kv_cache_spec_kind, sliding window): what events described."""
+        self.learned_groups: dict[tuple[str, str], dict[int, tuple[str, int | None]]] = {}
+        """(pod, model) -> group_idx -> (kv_cache_spec_kind, sliding window): what the pod's events
+        described. Per pod: what one pod says of its groups is applied to its own scores only."""
 
-    def learn_group(self, model: str, group: int, kind: str, sliding_window: int | None) -> None:
-        """Record what an event said of a hybrid model's KV-cache group (the last word wins)."""
-        groups = self.learned_groups.get(model)
+    def learn_group(self, pod: str, model: str, group: int, kind: str, sliding_window: int | None) -> None:
+        """Record what an event of ``pod`` said of its KV-cache group ``group`` (the last word wins)."""
+        groups = self.learned_groups.get((pod, model))
         if groups is None:
-            groups = self.learned_groups.setdefault(model, {})
+            groups = self.learned_groups.setdefault((pod, model), {})
         if groups.get(group) != (kind, sliding_window):
             groups[group] = (kind, sliding_window)
 
@@ -135,6 +138,20 @@ class IngestStats:
         with self._lock:
             for key in [k for k in self._streams if k[0] == pod]:
                 del self._streams[key]
+            for key in [k for k in list(self.learned_groups) if k[0] == pod]:
+                self.learned_groups.pop(key, None)
+
+    def evicted(self, pod: str) -> None:
+        """An unregistered pod gave its place: forget its streams, and keep it for ``take_evicted``."""
+        self.forget_pod(pod)
+        with self._lock:
+            self._evicted.append(pod)
+
+    def take_evicted(self) -> list[str]:
+        """The pods evicted since the last call (their registry rows and blocks go next)."""
+        with self._lock:
+            taken, self._evicted = self._evicted, []
+        return taken
 
     def snapshot(self) -> dict:
         """A JSON-able picture of every stream and the process-wide counters."""
@@ -145,10 +162,11 @@ class IngestStats:
             "unattributed_errors": dict(self.unattributed_errors),
             "queue_full": {str(k): v for k, v in self.queue_full.items()},
             "index_losses": self.index_losses,
-            "learned_groups": {
-                model: {str(g): list(spec) for g, spec in list(groups.items())}
-                for model, groups in list(self.learned_groups.items())
-            },
+            "pods_evicted": self.pods_evicted,
+            "learned_groups": [
+                [pod, model, {str(g): list(spec) for g, spec in list(groups.items())}]
+                for (pod, model), groups in list(self.learned_groups.items())
+            ],
         }
 
 
@@ -175,6 +193,13 @@ class IngestStatsCollector(Collector):
         )
         losses.add_metric([], snap["index_losses"])
         yield losses
+        evicted = CounterMetricFamily(
+            "kvcache_ingest_pods_evicted",
+            "Unregistered pods that gave their place to a new one, quiet for "
+            "KVCACHE_INGEST_POD_IDLE_SECONDS while KVCACHE_INGEST_MAX_PODS were admitted.",
+        )
+        evicted.add_metric([], snap["pods_evicted"])
+        yield evicted
         visible = HistogramMetricFamily(
             "kvcache_ingest_event_to_index_seconds", "From the batch timestamp to applied in the index."
         )
@@ -259,8 +284,10 @@ class StatsShipper:
         queue_full = dict(self.stats.queue_full)
         full = {k: n - self._queue_full.get(k, 0) for k, n in queue_full.items()}
         self._queue_full = queue_full
-        groups = {model: dict(g) for model, g in list(self.stats.learned_groups.items())}
-        changed_groups = groups if groups != self._groups else None
+        groups = {key: dict(g) for key, g in list(self.stats.learned_groups.items())}
+        changed_groups = (
+            [(pod, model, g) for (pod, model), g in groups.items()] if groups != self._groups else None
+        )
         self._groups = groups
         return {
             "streams": streams,
@@ -299,6 +326,8 @@ def merge_stats(
     stats.recent_visible_latencies.extend(samples)
     for key, n in delta["queue_full"].items():
         stats.queue_full[f"{queue_prefix}{key}"] += n
-    for model, groups in (delta["learned_groups"] or {}).items():
+    for pod, model, groups in delta["learned_groups"] or ():
+        if pod in skip_pods:
+            continue
         for group, (kind, sliding_window) in groups.items():
-            stats.learn_group(model, group, kind, sliding_window)
+            stats.learn_group(pod, model, group, kind, sliding_window)

@@ -56,6 +56,10 @@ _sha256 = hashlib.sha256
 _KEY_OF_DIGEST = "24xQ"  # a 32-byte digest's block key, as a struct format: its bytes 24..32
 
 DEFAULT_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 4096
+"""vLLM's --block-size takes 1, 8, 16, 32, 64, 128 or 256 tokens; hybrid (attention + Mamba) models
+may pick a larger one themselves (a multiple of 16, e.g. 528). 4096 leaves room for those: the
+registry refuses more, and so does ingest in an event."""
 DIGEST_SIZE = 32
 
 DEFAULT_SEED = "vllm-none-hash"

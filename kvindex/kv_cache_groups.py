@@ -32,6 +32,14 @@ from functools import lru_cache
 from kvindex.base import HolderMap
 from kvindex.keys import BlockKey, Digest
 
+MAX_KV_CACHE_GROUPS = 32
+"""The most KV-cache groups a model may have: vLLM's hybrid models have two to four (one per kind
+of layer, split by layer count). Ingest refuses an event of a group beyond (``group_idx`` sizes
+what is kept of each pod)."""
+
+MAX_SLIDING_WINDOW = 1 << 24
+"""The longest sliding window, in tokens, an event may describe (the longest real ones: 128k)."""
+
 GROUP_SEPARATOR = "#g"
 """KV-cache group ``g > 0`` of index holder ``H`` is indexed as ``H#g<g>``."""
 
@@ -188,13 +196,16 @@ def hybrid_hit(full_run: int, others: Sequence[tuple[Sequence[bool], int | None]
 
 
 def hybrid_run(
-    run: Sequence[HolderMap], groups: Sequence[tuple[int, int | None, Sequence[HolderMap]]]
+    run: Sequence[HolderMap],
+    holder_groups: Mapping[str, Sequence[tuple[int, int | None]]],
+    reads: Mapping[int, Sequence[HolderMap]],
 ) -> list[HolderMap]:
-    """Group 0's held run (``KVIndex.lookup``) cut, holder by holder, to its hit over every group:
-    ``groups`` gives, per other group, its index, its needed blocks and its holders of the run's
-    keys (``KVIndex.holders`` of ``group_keys``). A holder leaves the maps from its hit on; the
-    run ends at the first map left empty."""
-    if not run or not groups:
+    """Group 0's held run (``KVIndex.lookup``) cut, holder by holder, to its hit over its groups:
+    ``holder_groups`` gives a holder's other groups (``other_groups``: index and needed blocks;
+    a holder not in it has none), ``reads`` the holders of the run's keys in each of those groups
+    (``KVIndex.holders`` of ``group_keys``). A holder leaves the maps from its hit on; the run
+    ends at the first map left empty."""
+    if not run or not holder_groups:
         return list(run)
     full_run: dict[str, int] = {}
     alive = set(run[0])
@@ -205,10 +216,10 @@ def hybrid_run(
     hits = {}
     for holder, length in full_run.items():
         others = [
-            ([group_holder(holder, g) in maps[i] for i in range(length)], needed)
-            for g, needed, maps in groups
+            ([group_holder(holder, g) in reads[g][i] for i in range(length)], needed)
+            for g, needed in holder_groups.get(holder, ())
         ]
-        hits[holder] = hybrid_hit(length, others)
+        hits[holder] = hybrid_hit(length, others) if others else length
     out: list[HolderMap] = []
     for i, block in enumerate(run):
         kept = {holder: tiers for holder, tiers in block.items() if hits.get(holder, 0) > i}

@@ -65,6 +65,20 @@ class LiveStateCollector(Collector):
             for model in sorted(runtime.service_config().pod_models):
                 resyncing.add_metric([model], 1 if model in lost else 0)
         yield resyncing
+        variants = GaugeMetricFamily(
+            "kvcache_kv_cache_group_variants",
+            "How many different lists of KV-cache groups a model's pods described in their events: "
+            "more than 1, they disagree (each pod is scored over its own, unless the model config "
+            "sets them).",
+            labels=["model"],
+        )
+        try:
+            described = runtime.service_config().kv_cache_group_variants()
+        except DatabaseError:
+            described = {}
+        for model, n in sorted(described.items()):
+            variants.add_metric([model], n)
+        yield variants
 
         snapshots = selectors.ingest_snapshots()
         stats_up = GaugeMetricFamily(

@@ -21,7 +21,9 @@
 | KVCACHE_INGEST_MAX_MESSAGE_BYTES | 2097152 | a larger KV-event payload is counted (too_large) and skipped |
 | KVCACHE_INGEST_MAX_EVENTS | 4096 | a batch with more events is counted (too_many_events) and skipped |
 | KVCACHE_INGEST_MAX_BLOCKS | 65536 | an event with more blocks is counted (too_many_blocks) and skipped |
-| KVCACHE_INGEST_MAX_PODS | 4096 | batches of pods beyond this many are counted (too_many_pods) and skipped |
+| KVCACHE_INGEST_MAX_PODS | 4096 | unregistered pods one ingest receives from at once (more: too_many_pods) |
+| KVCACHE_INGEST_POD_IDLE_SECONDS | 600 | an unregistered pod quiet this long gives its place to a new one |
+| KVCACHE_INGEST_REGISTERED_PODS_ONLY | false | take KV events only from pods registered for their model |
 | KVCACHE_REPLAY_TIMEOUT_SECONDS | 2.0 | how long ingest waits for an engine's replay of missed batches |
 | KVCACHE_REPLAY_PORT_OFFSET | "" (none) | replay endpoint = tcp://host:(port + offset) of the pod's address |
 | KVCACHE_GATEWAY_POLICY | kv-load | the gateway's routing policy (gateway/policies.py) |
@@ -243,7 +245,14 @@ KVCACHE_INGEST_MAX_MESSAGE_BYTES = int(
 )
 KVCACHE_INGEST_MAX_EVENTS = int(os.environ.get("KVCACHE_INGEST_MAX_EVENTS", "4096"))
 KVCACHE_INGEST_MAX_BLOCKS = int(os.environ.get("KVCACHE_INGEST_MAX_BLOCKS", "65536"))
+# Registered pods (the admin, the API, simulate --register, a pod selector) are always admitted;
+# unregistered ones (known only from their events) at most KVCACHE_INGEST_MAX_PODS at once, and
+# one quiet for KVCACHE_INGEST_POD_IDLE_SECONDS gives its place, its row and its blocks to a new
+# one (ingest/pool.py Admission). KVCACHE_INGEST_REGISTERED_PODS_ONLY: the registry is the
+# allow-list of the event port (a message of a pod not registered for its model is refused).
 KVCACHE_INGEST_MAX_PODS = int(os.environ.get("KVCACHE_INGEST_MAX_PODS", "4096"))
+KVCACHE_INGEST_POD_IDLE_SECONDS = float(os.environ.get("KVCACHE_INGEST_POD_IDLE_SECONDS", "600"))
+KVCACHE_INGEST_REGISTERED_PODS_ONLY = env_bool("KVCACHE_INGEST_REGISTERED_PODS_ONLY")
 
 # --- the OpenAI gateway (gateway/, manage.py gateway) --------------------------------------------
 KVCACHE_GATEWAY_POLICY = os.environ.get("KVCACHE_GATEWAY_POLICY", "kv-load")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from django import forms
 from django.contrib import admin, messages
 from django.http import HttpRequest
@@ -17,15 +19,24 @@ class PodAdmin(admin.ModelAdmin):
         "pod_id",
         "model",
         "enabled",
+        "registered",
         "health",
         "address",
         "live_blocks",
         "last_seen",
         "first_seen",
     )
-    list_filter = ("enabled", "health", "model")
+    list_filter = ("enabled", "registered", "health", "model")
     search_fields = ("pod_id", "model", "address", "event_endpoint")
-    readonly_fields = ("health", "health_changed_at", "first_seen", "last_seen", "live_blocks")
+    readonly_fields = (
+        "registered",
+        "health",
+        "health_changed_at",
+        "first_seen",
+        "last_seen",
+        "live_blocks",
+        "learned_kv_cache_groups",
+    )
     ordering = ("pod_id",)
     actions = ("disable_pods", "enable_pods")
 
@@ -143,7 +154,25 @@ class ModelConfigAdmin(admin.ModelAdmin):
     )
     search_fields = ("name", "tokenizer_source")
     list_filter = ("block_size",)
-    readonly_fields = ("learned_kv_cache_groups", "updated_at")
+    readonly_fields = ("learned_kv_cache_groups", "pods_groups", "updated_at")
+
+    @admin.display(description="groups the pods described")
+    def pods_groups(self, config: ModelConfig) -> str:
+        """Each list of KV-cache groups the model's pods described, with how many pods: more than
+        one line, they disagree (each pod is scored over its own, unless kv_cache_groups is set)."""
+        pods: dict[str, list[str]] = {}
+        for pod_id, groups in Pod.objects.filter(model=config.name).values_list(
+            "pod_id", "learned_kv_cache_groups"
+        ):
+            if groups:
+                pods.setdefault(json.dumps(groups), []).append(pod_id)
+        if not pods:
+            return "none"
+        lines = [
+            f"{groups}: {len(ids)} pods ({', '.join(sorted(ids)[:5])}{', ...' if len(ids) > 5 else ''})"
+            for groups, ids in sorted(pods.items(), key=lambda item: -len(item[1]))
+        ]
+        return ("pods disagree: " if len(lines) > 1 else "") + "; ".join(lines)
 
     def get_form(self, request, obj=None, change=False, **kwargs):
         form = super().get_form(request, obj, change, **kwargs)

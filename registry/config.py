@@ -27,19 +27,6 @@ def owner_pod(holder: str) -> str:
     return holder.partition("#")[0]
 
 
-def address_in_pod_id(pod_id: str) -> str:
-    """The address a ``host:port`` pod id names (llm-d's convention; IPv6 as ``[::1]:8000``),
-    else ""."""
-    host, colon, port = pod_id.rpartition(":")
-    if not (colon and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        return ""
-    if len(pod_id) > 255 or not host.isascii():
-        return ""
-    if host.startswith("["):
-        return pod_id if host.endswith("]") and len(host) > 2 else ""
-    return pod_id if all(c.isalnum() or c in ".-" for c in host) else ""
-
-
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
     """How blocks of one model are keyed and scored."""
@@ -60,8 +47,9 @@ class ModelSettings:
     (``kvindex.keys.block_keys(lookahead_tokens=...)``). Ingest needs no setting: events carry
     the tokens (``lookahead_token_ids``)."""
     kv_cache_groups: tuple[KVCacheGroup, ...] = ()
-    """A hybrid model's KV-cache groups in vLLM's order (``kvindex.kv_cache_groups``); none: one
-    full-attention group."""
+    """A hybrid model's KV-cache groups in vLLM's order (``kvindex.kv_cache_groups``), as its
+    model config sets them, for every pod of the model; none: each pod's own
+    (``ServiceConfig.kv_cache_groups_of``)."""
 
     def tier_weight(self, tier: str) -> float:
         return self.tier_weights.get(tier, self.other_tier_weight)
@@ -81,12 +69,18 @@ class ServiceConfig:
     pod_addresses: Mapping[str, str] = field(default_factory=dict)
     pod_models: frozenset[str] = frozenset()  # the models registered pods serve
     pods: Mapping[str, str] = field(default_factory=dict)
-    """Every registered pod -> the model it serves."""
+    """Every pod of the registry -> the model it serves (the ones ingest recorded from their events
+    alone too)."""
+    registered_pods: frozenset[str] = frozenset()
+    """The pods an operator or a fleet registered (``Pod.registered``): the event stream admits
+    them always (``ingest.pool.Receiver``), and only they can have an address."""
     replay_endpoints: Mapping[str, str] = field(default_factory=dict)
     """pod -> its registry ``replay_endpoint`` (only pods that have one)."""
     event_endpoints: Mapping[str, str] = field(default_factory=dict)
     """pod -> its registry ``event_endpoint``, where its engine's KV-event PUB binds (only pods
     that have one): ingest replicas share these pods out and connect to them (``ingest.membership``)."""
+    pod_kv_cache_groups: Mapping[str, tuple[KVCacheGroup, ...]] = field(default_factory=dict)
+    """pod -> the KV-cache groups its own events described (only pods whose events did)."""
     down_pods: frozenset[str] = frozenset()
     """Pods the liveness prober found down: they leave scores like disabled ones."""
     unscored_pods: frozenset[str] = field(init=False)
@@ -101,6 +95,22 @@ class ServiceConfig:
         if found is not None:
             return found
         return ModelSettings(name=name, block_size=self.default_block_size)
+
+    def kv_cache_groups_of(self, model: str, holder: str) -> tuple[KVCacheGroup, ...]:
+        """The KV-cache groups ``holder`` is scored over: its model config's, else those its pod's
+        own events described (what one pod says of its groups changes its own scores only), else
+        none (one full-attention group)."""
+        return self.model(model).kv_cache_groups or self.pod_kv_cache_groups.get(owner_pod(holder), ())
+
+    def kv_cache_group_variants(self) -> dict[str, int]:
+        """model -> how many different lists of KV-cache groups its pods' events described (more
+        than 1: they disagree), for the models whose pods described any."""
+        variants: dict[str, set] = {}
+        for pod, groups in self.pod_kv_cache_groups.items():
+            model = self.pods.get(pod)
+            if model is not None:
+                variants.setdefault(model, set()).add(groups)
+        return {model: len(found) for model, found in variants.items()}
 
     def address_of(self, holder: str) -> str | None:
         """Where the pod behind an index holder serves HTTP (``pod#dp<r>`` -> ``pod``'s address)."""

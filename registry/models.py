@@ -10,7 +10,8 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
-from kvindex.kv_cache_groups import GROUP_RULES
+from kvindex.keys import MAX_BLOCK_SIZE
+from kvindex.kv_cache_groups import GROUP_RULES, MAX_KV_CACHE_GROUPS, MAX_SLIDING_WINDOW
 from tokenization.chat_templates import BoundedEnvironment
 
 
@@ -70,11 +71,6 @@ def validate_event_endpoint(value: str) -> None:
         )
 
 
-MAX_BLOCK_SIZE = 4096
-"""vLLM's --block-size takes 1, 8, 16, 32, 64, 128 or 256 tokens; hybrid (attention + Mamba) models
-may pick a larger one themselves (a multiple of 16, e.g. 528). 4096 leaves room for those."""
-
-
 def validate_block_size(value: int) -> None:
     if not 1 <= value <= MAX_BLOCK_SIZE:
         raise ValidationError(
@@ -91,6 +87,8 @@ def validate_kv_cache_groups(value: object) -> None:
     example = '[{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 4096}]'
     if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
         raise ValidationError(f"must be a list of groups in vLLM's group order, e.g. {example}")
+    if len(value) > MAX_KV_CACHE_GROUPS:
+        raise ValidationError(f"a model has at most {MAX_KV_CACHE_GROUPS} KV-cache groups, not {len(value)}")
     for i, group in enumerate(value):
         kind = group.get("kind")
         if kind not in GROUP_RULES:
@@ -99,8 +97,12 @@ def validate_kv_cache_groups(value: object) -> None:
             )
         window = group.get("sliding_window")
         windowed = GROUP_RULES[kind] == "window"
-        if windowed and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
-            raise ValidationError(f"group {i}: a {kind} group needs its sliding_window in tokens (>= 1)")
+        if windowed and not (
+            isinstance(window, int) and not isinstance(window, bool) and 1 <= window <= MAX_SLIDING_WINDOW
+        ):
+            raise ValidationError(
+                f"group {i}: a {kind} group needs its sliding_window in tokens (1 to {MAX_SLIDING_WINDOW})"
+            )
         if set(group) - {"kind", "sliding_window"} or (not windowed and window is not None):
             raise ValidationError(f"group {i}: only kind (and sliding_window for a window) are allowed")
     if value and GROUP_RULES[value[0]["kind"]] != "full":
@@ -118,7 +120,9 @@ def validate_chat_template(value: str) -> None:
 
 
 class Pod(models.Model):
-    """A vLLM engine that publishes KV events. Created by ``ingest`` on its first event."""
+    """A vLLM engine that publishes KV events: registered (the admin, the API, ``simulate
+    --register``, a pod selector), or made by ``ingest`` on its first event (``registered`` false:
+    it has no address until someone gives it one, so nothing routes to it)."""
 
     pod_id = models.CharField(
         max_length=255,
@@ -164,6 +168,20 @@ class Pod(models.Model):
         "but its KV events stopped arriving); a down pod leaves scores.",
     )
     health_changed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    registered = models.BooleanField(
+        default=True,
+        editable=False,
+        help_text="Registered by an operator or a fleet (the admin, the API, simulate --register, a pod "
+        "selector); not registered: ingest made the row from the pod's KV events alone. Only the "
+        "registry says where a pod is: ingest never gives one an address.",
+    )
+    learned_kv_cache_groups = models.JSONField(
+        default=list,
+        blank=True,
+        editable=False,
+        help_text="The KV-cache groups this pod's events described (kv_cache_spec_kind): its own "
+        "scores follow them while its model config sets no kv_cache_groups.",
+    )
     first_seen = models.DateTimeField(null=True, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True, db_index=True)
 
@@ -222,13 +240,14 @@ class ModelConfig(models.Model):
         validators=[validate_kv_cache_groups],
         help_text="Hybrid models only: the engines' KV-cache groups in vLLM's order (group_idx), e.g. "
         '[{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 4096}]. Empty: '
-        "the groups learned from events, else one full-attention group.",
+        "each pod's groups as its own events describe them, else one full-attention group.",
     )
     learned_kv_cache_groups = models.JSONField(
         default=list,
         blank=True,
         editable=False,
-        help_text="The groups ingest learned from events that describe them (kv_cache_spec_kind).",
+        help_text="The groups this model's pods described in their events (kv_cache_spec_kind), when "
+        "they agree; empty when none did or they disagree (each pod has its own).",
     )
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -36,16 +36,39 @@ def load_service_config() -> ServiceConfig:
             lora_adapters=tuple(m.lora_adapters or ()),
             max_model_len=m.max_model_len,
             hash_lookahead_tokens=m.hash_lookahead_tokens,
-            kv_cache_groups=groups_from_json(m.kv_cache_groups or m.learned_kv_cache_groups),
+            kv_cache_groups=groups_from_json(m.kv_cache_groups),
         )
         for m in ModelConfig.objects.all()
     }
-    disabled, down, addresses, replay, events, pods = set(), set(), {}, {}, {}, {}
+    disabled, down, registered, addresses, replay, events, pods = set(), set(), set(), {}, {}, {}, {}
+    pod_groups = {}
     rows = Pod.objects.values_list(
-        "pod_id", "model", "enabled", "address", "replay_endpoint", "event_endpoint", "health"
+        "pod_id",
+        "model",
+        "enabled",
+        "address",
+        "replay_endpoint",
+        "event_endpoint",
+        "health",
+        "registered",
+        "learned_kv_cache_groups",
     )
-    for pod_id, model, enabled, address, replay_endpoint, event_endpoint, health in rows:
+    for (
+        pod_id,
+        model,
+        enabled,
+        address,
+        replay_endpoint,
+        event_endpoint,
+        health,
+        is_registered,
+        learned,
+    ) in rows:
         pods[pod_id] = model
+        if is_registered:
+            registered.add(pod_id)
+        if learned:
+            pod_groups[pod_id] = groups_from_json(learned)
         if not enabled:
             disabled.add(pod_id)
         if health == "down":
@@ -64,6 +87,8 @@ def load_service_config() -> ServiceConfig:
         pod_addresses=addresses,
         pod_models=frozenset(pods.values()),
         pods=pods,
+        registered_pods=frozenset(registered),
+        pod_kv_cache_groups=pod_groups,
         replay_endpoints=replay,
         event_endpoints=events,
         down_pods=frozenset(down),

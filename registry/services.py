@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 
@@ -10,7 +11,6 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from kvindex.kv_cache_groups import KVCacheGroup, groups_to_json
-from registry.config import address_in_pod_id
 from registry.liveness import HEALTHS, HealthChange, clear_pod_and_ranks
 from registry.models import HashSeed, ModelConfig, Pod
 from registry.runtime import get_index, get_tokenizers, invalidate_service_config
@@ -20,7 +20,9 @@ from tokenization.tokenizers import TokenizerError
 def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
     """Upsert ``(pod, model, first_seen, last_seen)`` (unix times) into the registry; returns how
     many pods were new. ``first_seen`` never moves later; ``last_seen`` never moves earlier. A new
-    pod whose id is ``host:port`` gets that as its address."""
+    pod is not ``registered`` and has no address, whatever its id says (``kv@10.0.0.7:8000@m``
+    included): events are not trusted to say where a pod is, so nothing routes to it until an
+    operator or a fleet registers it."""
     rows = {pod: (model, first, last) for pod, model, first, last in seen}
     if not rows:
         return 0
@@ -36,7 +38,7 @@ def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
                 Pod.objects.create(
                     pod_id=pod_id,
                     model=model,
-                    address=address_in_pod_id(pod_id),
+                    registered=False,
                     first_seen=first_dt,
                     last_seen=last_dt,
                 )
@@ -58,7 +60,12 @@ def register_pods(pods: Iterable[tuple[str, str, str, str]]) -> None:
         for pod_id, model, address, replay_endpoint in pods:
             Pod.objects.update_or_create(
                 pod_id=pod_id,
-                defaults={"model": model, "address": address, "replay_endpoint": replay_endpoint},
+                defaults={
+                    "model": model,
+                    "address": address,
+                    "replay_endpoint": replay_endpoint,
+                    "registered": True,
+                },
             )
     invalidate_service_config()
 
@@ -72,8 +79,10 @@ def save_pod(pod: Pod) -> Pod:
     gets a new address or is disabled (the verdict was about an address, or a pod, it no longer
     probes).
 
-    A pod id or labels already stored are not judged again by the validators (ingest registers
-    whatever pod id a topic names): such a pod can still be disabled."""
+    A pod id or labels already stored are not judged again by the validators (ingest records
+    whatever pod id a topic names): such a pod can still be disabled. A pod saved here is
+    ``registered``: an operator vouched for it (and for its address)."""
+    pod.registered = True
     previous = (
         Pod.objects.filter(pk=pod.pk)
         .values("pod_id", "labels", "enabled", "address", "health", "health_changed_at")
@@ -136,6 +145,21 @@ def expire_pods(*, last_seen_before: datetime) -> list[str]:
     return expired
 
 
+def forget_unregistered_pods(pod_ids: Iterable[str]) -> int:
+    """Forget those of these pods that nobody registered: delete their rows (``registered``
+    false) and clear their blocks; returns how many rows went. Ingest calls it with the
+    unregistered pods its receiver evicted (``ingest.pool.Admission``), so that a flood of
+    made-up pod names leaves neither rows nor blocks behind. A pod registered meanwhile stays."""
+    pod_ids = set(pod_ids)
+    pod_ids -= set(Pod.objects.filter(pod_id__in=pod_ids, registered=True).values_list("pod_id", flat=True))
+    deleted, _ = Pod.objects.filter(pod_id__in=pod_ids).delete()
+    for pod_id in sorted(pod_ids):
+        clear_pod_blocks(pod_id)
+    if deleted:
+        invalidate_service_config()
+    return deleted
+
+
 def delete_pod(pod: Pod) -> None:
     """Delete a pod and its blocks. A pod that keeps publishing is registered again."""
     pod_id = pod.pod_id
@@ -169,28 +193,45 @@ def save_model_config(config: ModelConfig, *, tokenizer_source_checked: bool = F
     return config
 
 
-def record_learned_groups(learned: Mapping[str, Mapping[int, tuple[str, int | None]]]) -> int:
-    """Write what ingest learned of hybrid models' KV-cache groups (model -> group_idx -> (kind,
-    sliding window), from events that describe them) into ``ModelConfig.learned_kv_cache_groups``,
-    creating the config of a model that has none; returns how many configs changed. A group no
-    event described reads as full attention. Scoring follows them while ``kv_cache_groups`` is
-    empty."""
-    changed = 0
+def record_learned_groups(learned: Mapping[tuple[str, str], Mapping[int, tuple[str, int | None]]]) -> int:
+    """Write what ingest learned of each pod's KV-cache groups, from the events that describe them
+    ((pod, model) -> group_idx -> (kind, sliding window)), into ``Pod.learned_kv_cache_groups``
+    of the registry's pods serving that model; returns how many pods changed. A group no event
+    described reads as full attention. Scoring follows a pod's own groups while its model config
+    sets none: what one pod says never changes how another is scored. A model config that exists
+    gets, as ``learned_kv_cache_groups``, what its pods described when they agree, and nothing
+    when they disagree (``ServiceConfig.kv_cache_group_variants`` counts the variants)."""
+    changed, models = 0, set()
     with transaction.atomic():
-        for model, groups in learned.items():
-            if not groups:
+        rows = {
+            (p.pod_id, p.model): p
+            for p in Pod.objects.select_for_update().filter(pod_id__in={pod for pod, _ in learned})
+        }
+        for (pod_id, model), groups in learned.items():
+            row = rows.get((pod_id, model))
+            if row is None or not groups:
                 continue
             described = [
                 KVCacheGroup(*groups.get(g, ("full_attention", None))) for g in range(max(groups) + 1)
             ]
             value = groups_to_json(described)
-            config, created = ModelConfig.objects.select_for_update().get_or_create(
-                name=model, defaults={"block_size": settings.KVCACHE_BLOCK_SIZE}
-            )
-            if created or config.learned_kv_cache_groups != value:
-                config.learned_kv_cache_groups = value
-                config.save(update_fields=["learned_kv_cache_groups", "updated_at"])
+            if row.learned_kv_cache_groups != value:
+                row.learned_kv_cache_groups = value
+                row.save(update_fields=["learned_kv_cache_groups"])
                 changed += 1
+                models.add(model)
+        for config in ModelConfig.objects.select_for_update().filter(name__in=models):
+            variants = {
+                json.dumps(value, sort_keys=True)
+                for value in Pod.objects.filter(model=config.name).values_list(
+                    "learned_kv_cache_groups", flat=True
+                )
+                if value
+            }
+            agreed = json.loads(variants.pop()) if len(variants) == 1 else []
+            if config.learned_kv_cache_groups != agreed:
+                config.learned_kv_cache_groups = agreed
+                config.save(update_fields=["learned_kv_cache_groups", "updated_at"])
     if changed:
         invalidate_service_config()
     return changed

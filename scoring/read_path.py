@@ -229,44 +229,54 @@ def finish(keyed: KeyedRequest, holders: list[HolderMap], *, config: ServiceConf
     )
 
 
-def _other_groups(keyed: KeyedRequest, config: ServiceConfig) -> list[tuple[int, int | None]]:
+def _holder_groups(keyed: KeyedRequest, run: list[HolderMap], config: ServiceConfig) -> dict[str, list]:
+    """holder -> its KV-cache groups after group 0 (``other_groups``), for the holders of the
+    run's first block that have any (only they can hit): the model config's groups, else each
+    pod's own (``ServiceConfig.kv_cache_groups_of``)."""
     settings = config.model(keyed.model)
-    return other_groups(settings.kv_cache_groups, settings.block_size)
+    if not run or not (settings.kv_cache_groups or config.pod_kv_cache_groups):
+        return {}
+    found = {}
+    for holder in run[0]:
+        groups = config.kv_cache_groups_of(keyed.model, holder)
+        if len(groups) > 1:
+            found[holder] = other_groups(groups, settings.block_size)
+    return found
 
 
 def _group_holders(
     index: KVIndex, keyed: KeyedRequest, run: list[HolderMap], config: ServiceConfig
 ) -> list[HolderMap]:
     """``run`` cut to each pod's hit over a hybrid model's KV-cache groups (one ``holders`` read per
-    other group); ``run`` itself for a model of one group."""
-    groups = _other_groups(keyed, config) if run else []
-    if not groups:
+    group any holder has); ``run`` itself when no holder has more than one group."""
+    holder_groups = _holder_groups(keyed, run, config)
+    if not holder_groups:
         return run
     keys = keyed.keys[: len(run)]
-    reads = [(g, needed, index.holders(model=keyed.model, keys=group_keys(keys, g))) for g, needed in groups]
-    return hybrid_run(run, reads)
+    wanted = sorted({g for groups in holder_groups.values() for g, _ in groups})
+    reads = {g: index.holders(model=keyed.model, keys=group_keys(keys, g)) for g in wanted}
+    return hybrid_run(run, holder_groups, reads)
 
 
 async def _agroup_holders(
     index: KVIndex, keyed: KeyedRequest, run: list[HolderMap], config: ServiceConfig
 ) -> list[HolderMap]:
     """``_group_holders`` on an event loop: ``aholders`` where the index has it, else in a thread."""
-    groups = _other_groups(keyed, config) if run else []
-    if not groups:
+    holder_groups = _holder_groups(keyed, run, config)
+    if not holder_groups:
         return run
     keys = keyed.keys[: len(run)]
-    reads = []
-    for g, needed in groups:
+    reads = {}
+    for g in sorted({g for groups in holder_groups.values() for g, _ in groups}):
         wanted = group_keys(keys, g)
         aholders = getattr(index, "aholders", None)
         if aholders is not None:
-            maps = await aholders(model=keyed.model, keys=wanted)
+            reads[g] = await aholders(model=keyed.model, keys=wanted)
         else:
-            maps = await asyncio.get_running_loop().run_in_executor(
+            reads[g] = await asyncio.get_running_loop().run_in_executor(
                 None, functools.partial(index.holders, model=keyed.model, keys=wanted)
             )
-        reads.append((g, needed, maps))
-    return hybrid_run(run, reads)
+    return hybrid_run(run, holder_groups, reads)
 
 
 def look_up(index: KVIndex, keyed: KeyedRequest, *, config: ServiceConfig) -> ScoreResult:

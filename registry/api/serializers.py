@@ -31,12 +31,21 @@ class PodSerializer(serializers.ModelSerializer):
             "model",
             "labels",
             "enabled",
+            "registered",
             "health",
             "health_changed_at",
             "first_seen",
             "last_seen",
+            "learned_kv_cache_groups",
         ]
-        read_only_fields = ["health", "health_changed_at", "first_seen", "last_seen"]
+        read_only_fields = [
+            "registered",
+            "health",
+            "health_changed_at",
+            "first_seen",
+            "last_seen",
+            "learned_kv_cache_groups",
+        ]
 
 
 class PodStateSerializer(serializers.Serializer):

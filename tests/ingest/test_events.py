@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ingest.events import (
+    MAX_DATA_PARALLEL_RANKS,
     REASONS,
     AllBlocksCleared,
     BlockRemoved,
@@ -27,6 +28,7 @@ from ingest.events import (
     parse_topic,
 )
 from ingest.stats import MAX_VISIBLE_SECONDS, IngestStats
+from kvindex.kv_cache_groups import MAX_KV_CACHE_GROUPS, MAX_SLIDING_WINDOW
 from tests.ingest.captures import vllm_033_messages
 
 U64 = 2**64 - 1
@@ -694,6 +696,8 @@ def test_events_are_immutable_values():
 
 hashes = st.integers(0, U64)
 small_ints = st.none() | st.integers(0, 2**31)
+groups = st.none() | st.integers(0, MAX_KV_CACHE_GROUPS - 1)
+ranks = st.none() | st.integers(0, MAX_DATA_PARALLEL_RANKS - 1)
 tiers = st.sampled_from(["gpu", "cpu", "fs", "obj", "storage"]) | st.text(
     "abcdefghijklmnopqrstuvwxyz", min_size=1
 )
@@ -720,7 +724,7 @@ def block_stored(draw) -> BlockStored:
         tier=draw(tiers),
         lora_name=draw(st.none() | st.text(min_size=1)),
         extra_keys=draw(st.none() | st.lists(extra_entry, min_size=n, max_size=n).map(tuple)),
-        group_idx=draw(small_ints),
+        group_idx=draw(groups),
         lookahead_token_ids=draw(
             st.none() | st.lists(st.lists(token, max_size=3).map(tuple), min_size=n, max_size=n).map(tuple)
         ),
@@ -731,7 +735,7 @@ def block_stored(draw) -> BlockStored:
 
 
 block_removed = st.builds(
-    BlockRemoved, st.lists(hashes, max_size=3).map(tuple), tiers, small_ints, labels, labels
+    BlockRemoved, st.lists(hashes, max_size=3).map(tuple), tiers, groups, labels, labels
 )
 any_events = st.lists(block_stored() | block_removed | st.just(AllBlocksCleared()), max_size=6)
 layouts = st.sampled_from(["array", "map"])
@@ -741,7 +745,7 @@ layouts = st.sampled_from(["array", "map"])
 @given(
     batch_events=any_events,
     ts=st.floats(allow_nan=False, allow_infinity=False),  # a non-finite ts reads as 0.0 (tested above)
-    rank=small_ints,
+    rank=ranks,
     layout=layouts,
     batch_layout=layouts,
     hash_bytes=st.booleans(),
@@ -807,3 +811,39 @@ def test_latencies_the_clocks_cannot_explain_are_not_recorded():
     stats.observe_visible(-0.002)  # an engine clock a little ahead of ours
     stats.observe_visible(0.5)
     assert (sum(stats.visible_buckets), stats.visible_sum) == (2, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("group_idx", MAX_KV_CACHE_GROUPS, "field"),
+        ("group_idx", 2**63, "field"),
+        ("group_idx", 2**64 - 1, "field"),
+        ("block_size", 4097, "field"),
+        ("block_size", 2**63, "field"),
+    ],
+)
+def test_a_value_that_would_size_what_is_kept_is_refused_before_anything_is_kept(field, value, reason):
+    """Every value that sizes a structure of ingest (a pod's KV-cache groups, a block's tokens) is
+    range-checked in decoding: the event is skipped and counted, nothing is kept of it."""
+    good = BlockStored((1,), None, tuple(range(16)), 16, None, "gpu", None, None, 0)
+    bad = BlockStored(**{f: getattr(good, f) for f in good.__slots__} | {field: value})
+    batch = decode_batch(encode_batch([good, bad], ts=1.0, layout="map"))
+    assert batch.events == (good,)
+    assert [(e.reason, e.index) for e in batch.errors] == [(reason, 1)]
+
+
+@pytest.mark.parametrize("rank", [MAX_DATA_PARALLEL_RANKS, 2**63])
+def test_a_data_parallel_rank_beyond_the_limit_refuses_the_batch(rank):
+    payload = msgpack.packb([1.0, [], rank])
+    with pytest.raises(DecodeError, match="data_parallel_rank") as refused:
+        decode_batch(payload)
+    assert refused.value.reason == "batch"
+
+
+def test_a_sliding_window_beyond_the_limit_describes_nothing():
+    stored = BlockStored((1,), None, (), 0, None, "gpu", None, None, 1, kv_cache_spec_kind="sliding_window")
+    fields = {f: getattr(stored, f) for f in stored.__slots__}
+    too_long = BlockStored(**fields | {"kv_cache_spec_sliding_window": MAX_SLIDING_WINDOW + 1})
+    [event] = decode_batch(encode_batch([too_long], ts=1.0, layout="map")).events
+    assert event.kv_cache_spec_sliding_window is None

@@ -12,7 +12,7 @@ from kvindex import KVIndex
 from kvindex.keys import block_keys
 from kvindex.kv_cache_groups import KVCacheGroup, group_holder, group_keys
 from registry.config import ModelSettings, ServiceConfig
-from registry.models import ModelConfig
+from registry.models import ModelConfig, Pod
 from registry.selectors import load_service_config
 from scoring.read_path import score_token_ids
 from tests.ingest.conftest import MODEL, ingest_housekeeping
@@ -121,10 +121,12 @@ def test_groups_that_events_describe_are_learned(index):
         ),
     )
 
-    assert engine.stats.learned_groups == {MODEL: {0: ("full_attention", None), 1: ("sliding_window", 32)}}
-    assert engine.stats.snapshot()["learned_groups"] == {
-        MODEL: {"0": ["full_attention", None], "1": ["sliding_window", 32]}
+    assert engine.stats.learned_groups == {
+        ("pod-a", MODEL): {0: ("full_attention", None), 1: ("sliding_window", 32)}
     }
+    assert engine.stats.snapshot()["learned_groups"] == [
+        ["pod-a", MODEL, {"0": ["full_attention", None], "1": ["sliding_window", 32]}]
+    ]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -144,7 +146,8 @@ def test_data_parallel_ranks_keep_their_groups_apart(index, rank):
 @pytest.mark.django_db(transaction=True)
 def test_housekeeping_writes_the_groups_events_describe_into_the_registry(settings, redis_url):
     """Through a real pipeline: an event that describes its group (``kv_cache_spec_kind``) ends in
-    ``ModelConfig.learned_kv_cache_groups``, and scoring follows them while the config names none."""
+    its pod's ``learned_kv_cache_groups``, and that pod's scores follow them while the model's
+    config names none; no other pod's do, and no model config is made for them."""
     settings.REDIS_URL = redis_url
     settings.KVCACHE_INDEX_BACKEND = "redis"
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
@@ -162,19 +165,24 @@ def test_housekeeping_writes_the_groups_events_describe_into_the_registry(settin
             ]
         )
         harness.sync("pod-a")
+        harness.publisher("pod-b").send([store(A, HASHES[:2])])
+        harness.sync("pod-b")
         housekeeping.run_once()
         housekeeping.run_once()  # unchanged: nothing written again
 
-    config = ModelConfig.objects.get(name=MODEL)
-    assert config.learned_kv_cache_groups == [
-        {"kind": "full_attention"},
-        {"kind": "sliding_window", "sliding_window": 64},
-    ]
-    assert config.kv_cache_groups == []
-    assert load_service_config().model(MODEL).kv_cache_groups == (
+    described = [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 64}]
+    assert Pod.objects.get(pod_id="pod-a").learned_kv_cache_groups == described
+    assert Pod.objects.get(pod_id="pod-b").learned_kv_cache_groups == []
+    assert not ModelConfig.objects.filter(name=MODEL).exists()
+    config = load_service_config()
+    assert config.model(MODEL).kv_cache_groups == ()
+    assert config.kv_cache_groups_of(MODEL, "pod-a#dp1") == (
         KVCacheGroup("full_attention"),
         KVCacheGroup("sliding_window", 64),
     )
-    config.kv_cache_groups = [{"kind": "full_attention"}, {"kind": "mamba"}]
-    config.save()
-    assert load_service_config().model(MODEL).kv_cache_groups[1] == KVCacheGroup("mamba")  # the config wins
+    assert config.kv_cache_groups_of(MODEL, "pod-b") == ()
+    assert config.kv_cache_group_variants() == {MODEL: 1}
+    ModelConfig.objects.create(name=MODEL, kv_cache_groups=[{"kind": "full_attention"}, {"kind": "mamba"}])
+    assert load_service_config().kv_cache_groups_of(MODEL, "pod-a")[1] == KVCacheGroup(
+        "mamba"
+    )  # the config wins

@@ -326,7 +326,7 @@ def test_replay_endpoints_come_from_the_registry_or_a_port_offset() -> None:
     assert client.endpoint("a") == "tcp://10.0.0.1:5600"
     assert client.endpoint("a", 2) == "tcp://10.0.0.1:5602"  # data-parallel rank 2
     assert client.endpoint("b") == "tcp://10.0.0.2:9000"
-    assert client.endpoint("10.0.0.3:8100") == "tcp://10.0.0.3:9100"  # a host:port pod id
+    assert client.endpoint("10.0.0.3:8100") is None  # a host:port pod id names no endpoint
     assert client.endpoint("c") is None
     assert ReplayClient(config=lambda: config).endpoint("b") is None  # no offset: no convention
     assert derived_replay_endpoint("[::1]:8000", 5) == "tcp://[::1]:8005"

@@ -367,7 +367,8 @@ def test_the_command_as_a_replica_indexes_its_pods_and_leaves_on_sigterm(tmp_pat
     with sqlite3.connect(tmp_path / "db.sqlite3") as db:
         db.execute(
             "insert into scoring_pod (pod_id, address, replay_endpoint, event_endpoint, model, labels,"
-            " enabled, health) values ('pod-a', '', '', ?, ?, '{}', 1, 'unknown')",
+            " enabled, health, registered, learned_kv_cache_groups)"
+            " values ('pod-a', '', '', ?, ?, '{}', 1, 'unknown', 1, '[]')",
             (f"tcp://127.0.0.1:{port}", MODEL),
         )
     proc = subprocess.Popen(

@@ -101,25 +101,44 @@ def test_each_pod_s_run_is_cut_to_its_own_hit() -> None:
         {"a#g1": GPU},
         {"a#g1": GPU},
     ]
-    assert hybrid_run(run, [(1, 2, window)]) == [{"a": GPU, "b": GPU}] * 3 + [{"a": GPU}] * 3
+    assert (
+        hybrid_run(run, every_holder(run, [(1, 2)]), {1: window})
+        == [{"a": GPU, "b": GPU}] * 3 + [{"a": GPU}] * 3
+    )
+
+
+def every_holder(run, groups):
+    """Every holder of ``run`` with the same other groups (a model config's)."""
+    return {holder: groups for block in run for holder in block}
+
+
+def test_only_a_holder_with_groups_of_its_own_is_cut_on_them() -> None:
+    """Each pod is scored over its own groups: what one pod's events say of its groups cuts its
+    own hit, never another pod's."""
+    run = [{"a": GPU, "b": GPU}] * 3
+    assert hybrid_run(run, {"a": [(1, 2)]}, {1: [{}] * 3}) == [{"b": GPU}] * 3
+    assert hybrid_run(run, {}, {}) == run
 
 
 def test_a_pod_whose_window_holds_nothing_leaves_the_run() -> None:
     run = [{"a": GPU, "b": GPU}] * 3
-    assert hybrid_run(run, [(1, 2, [{"a#g1": GPU}] * 3)]) == [{"a": GPU}] * 3
-    assert hybrid_run(run, [(1, 2, [{}] * 3)]) == []
+    assert hybrid_run(run, every_holder(run, [(1, 2)]), {1: [{"a#g1": GPU}] * 3}) == [{"a": GPU}] * 3
+    assert hybrid_run(run, every_holder(run, [(1, 2)]), {1: [{}] * 3}) == []
 
 
 def test_a_run_is_cut_where_the_pod_s_own_prefix_ends() -> None:
     run = [{"a": GPU, "b": GPU}, {"a": GPU, "b": GPU}, {"a": GPU}]  # b holds 2, a holds 3
     window = [{"a#g1": GPU, "b#g1": GPU}] * 3
-    assert hybrid_run(run, [(1, 2, window)]) == run
+    assert hybrid_run(run, every_holder(run, [(1, 2)]), {1: window}) == run
 
 
 def test_data_parallel_ranks_are_cut_on_their_own_groups() -> None:
     run = [{"p": GPU, "p#dp1": GPU}] * 4
     window = [{"p#g1": GPU, "p#dp1#g1": GPU}] * 2 + [{"p#g1": GPU}] * 2
-    assert hybrid_run(run, [(1, 2, window)]) == [{"p": GPU, "p#dp1": GPU}] * 2 + [{"p": GPU}] * 2
+    assert (
+        hybrid_run(run, every_holder(run, [(1, 2)]), {1: window})
+        == [{"p": GPU, "p#dp1": GPU}] * 2 + [{"p": GPU}] * 2
+    )
 
 
 def test_a_group_is_indexed_under_its_own_holder_and_masked_keys() -> None:

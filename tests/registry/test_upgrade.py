@@ -1,7 +1,8 @@
 """A database made before the registry had a package of its own (migration head ``scoring`` 0008,
 dumped in ``fixtures/registry-at-0008.sql``) upgrades with ``manage.py migrate`` and keeps every
 row: the app label stays ``scoring``, so its tables, migration history, permissions and admin URLs
-are the registry's as they were."""
+are the registry's as they were. The migrations since add to the rows, and take back only the
+addresses ingest once took from pod ids (0009)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from registry.models import ModelConfig, Pod
 from registry.selectors import load_service_config
 config = load_service_config()
 print(json.dumps({
-    "pods": sorted(Pod.objects.values_list("pod_id", "address", "enabled", "health")),
+    "pods": sorted(Pod.objects.values_list("pod_id", "address", "enabled", "health", "registered")),
     "models": sorted(ModelConfig.objects.values_list("name", "block_size", "max_model_len")),
     "seed": config.seed,
     "groups": [g.kind for g in config.model("google/gemma-3-1b-it").kv_cache_groups],
@@ -60,9 +61,15 @@ def test_a_database_made_before_the_move_migrates_without_loss(tmp_path):
         [*manage, "migrate", "--noinput"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert migrated.returncode == 0, migrated.stderr
-    assert "No migrations to apply." in migrated.stdout
+    assert "scoring.0001_registry" not in migrated.stdout  # the app's history was recognized
+    assert "Applying scoring.0009_pod_trust... OK" in migrated.stdout
 
-    assert table_rows(database) == before  # every row of every table, the migration history included
+    after = table_rows(database)
+    for table, rows in before.items():  # every row of every table, the migration history included
+        if table not in ("scoring_pod", "scoring_modelconfig", "sqlite_sequence"):  # read back below
+            assert set(rows) <= set(after[table]), table
+    assert len(after["scoring_pod"]) == len(before["scoring_pod"])
+    assert len(after["scoring_modelconfig"]) == len(before["scoring_modelconfig"])
     pending = subprocess.run(
         [*manage, "migrate", "--check"], cwd=ROOT, env=env, capture_output=True, text=True
     )
@@ -73,9 +80,9 @@ def test_a_database_made_before_the_move_migrates_without_loss(tmp_path):
     )
     assert json.loads(read.stdout) == {
         "pods": [
-            ["10.0.0.1:8000", "10.0.0.1:8000", True, "up"],
-            ["gemma-0", "", True, "unknown"],
-            ["sim-1", "127.0.0.1:8101", False, "down"],
+            ["10.0.0.1:8000", "", True, "up", False],  # its address was its id, seen by ingest: 0009
+            ["gemma-0", "", True, "unknown", True],
+            ["sim-1", "127.0.0.1:8101", False, "down", True],
         ],
         "models": [["Qwen/Qwen3-0.6B", 32, 4096], ["google/gemma-3-1b-it", 16, None]],
         "seed": "42",

@@ -29,6 +29,7 @@ from ingest.events import DecodeLimits
 from ingest.history import HistoryRecorder, blocks_by_pod
 from ingest.membership import HEARTBEAT_SECONDS, Replica, ReplicaCollector, ReplicaNameTaken, open_membership
 from ingest.pipeline import IngestPipeline
+from ingest.pool import Admission
 from ingest.processes import refuse_memory_index
 from ingest.replay import ReplayClient
 from ingest.stats import IngestStats, IngestStatsCollector
@@ -51,7 +52,13 @@ from registry.runtime import (
     service_config,
     set_index,
 )
-from registry.services import expire_pods, record_learned_groups, record_pods_seen, set_pod_health
+from registry.services import (
+    expire_pods,
+    forget_unregistered_pods,
+    record_learned_groups,
+    record_pods_seen,
+    set_pod_health,
+)
 
 log = logging.getLogger("ingest")
 
@@ -146,6 +153,10 @@ class Command(BaseCommand):
                 max_blocks=settings.KVCACHE_INGEST_MAX_BLOCKS,
                 max_pods=settings.KVCACHE_INGEST_MAX_PODS,
             ),
+            admission=Admission(
+                registered_only=settings.KVCACHE_INGEST_REGISTERED_PODS_ONLY,
+                idle_seconds=settings.KVCACHE_INGEST_POD_IDLE_SECONDS,
+            ),
             replay=ReplayClient(
                 config=service_config,
                 port_offset=options["replay_port_offset"],
@@ -190,7 +201,7 @@ class Command(BaseCommand):
         self.stdout.write(f"ingest: {endpoints}; topic {options['topic']!r}; {workers}")
         self.stdout.flush()
 
-        housekeeping = Housekeeping(stats, prober=prober)
+        housekeeping = Housekeeping(stats, prober=prober, forget_pod=pipeline.forget_pod)
         while not stopping.wait(options["housekeeping_interval"]):
             housekeeping.run_once()
         pipeline.stop()
@@ -251,15 +262,23 @@ def wait_for_index(index, *, timeout: float) -> None:
 
 
 class Housekeeping:
-    """Once a second: register pods seen since last time, publish the counters (into Redis,
-    and to the channel-layer group ``KVCACHE_STATS_GROUP`` for the dashboards watching live) and
-    record the dashboard's history into Redis (``ingest.history``); once a minute: expire pods not
-    heard from for ``KVCACHE_POD_EXPIRE_DAYS``. Runs ``prober`` (if any) from construction until
-    ``close``."""
+    """Once a second: record pods seen since last time, delete the unregistered pods the receiver
+    evicted (their rows and blocks), publish the counters (into Redis, and to the channel-layer
+    group ``KVCACHE_STATS_GROUP`` for the dashboards watching live) and record the dashboard's
+    history into Redis (``ingest.history``); once a minute: expire pods not heard from for
+    ``KVCACHE_POD_EXPIRE_DAYS`` (``forget_pod``: what the pipeline holds of them goes too). Runs
+    ``prober`` (if any) from construction until ``close``."""
 
-    def __init__(self, stats: IngestStats, *, prober: LivenessProber | None = None) -> None:
+    def __init__(
+        self,
+        stats: IngestStats,
+        *,
+        prober: LivenessProber | None = None,
+        forget_pod: Callable[[str], None] | None = None,
+    ) -> None:
         self.stats = stats
         self.prober = prober
+        self.forget_pod = forget_pod or stats.forget_pod
         self._registered: dict[str, float] = {}
         self._next_expiry = float("-inf")  # monotonic
         self._learned_groups: dict = {}
@@ -271,6 +290,10 @@ class Housekeeping:
             prober.start()
 
     def run_once(self) -> None:
+        try:
+            self._forget_evicted()
+        except Exception:
+            log.exception("could not delete the evicted unregistered pods")
         try:
             self._register_pods()
         except Exception:
@@ -328,9 +351,21 @@ class Housekeeping:
             for pod, (_, _, last) in seen.items():
                 self._registered[pod] = last
 
+    def _forget_evicted(self) -> None:
+        evicted = self.stats.take_evicted()
+        for pod in evicted:
+            self._registered.pop(pod, None)
+        if evicted:
+            deleted = forget_unregistered_pods(evicted)
+            log.info(
+                "%d unregistered pods gave their place to new ones (%d registry rows deleted)",
+                len(evicted),
+                deleted,
+            )
+
     def _record_learned_groups(self) -> None:
-        """Hybrid models' KV-cache groups events described, into the registry when they change."""
-        learned = {model: dict(groups) for model, groups in list(self.stats.learned_groups.items())}
+        """The KV-cache groups each pod's events described, into the registry when they change."""
+        learned = {key: dict(groups) for key, groups in list(self.stats.learned_groups.items())}
         if learned != self._learned_groups:
             record_learned_groups(learned)
             self._learned_groups = learned
@@ -342,7 +377,7 @@ class Housekeeping:
         self._next_expiry = time.monotonic() + EXPIRY_INTERVAL_SECONDS
         for pod in expire_pods(last_seen_before=datetime.now(UTC) - timedelta(days=days)):
             log.info("pod %s expired: not heard from for %s days", pod, days)
-            self.stats.forget_pod(pod)
+            self.forget_pod(pod)
             self._registered.pop(pod, None)
 
     def close(self) -> None:
