@@ -35,6 +35,10 @@
 | KVCACHE_TEMPLATE_CPU_MS | 250 | CPU time a request's chat template may use (over it: 422) |
 | KVCACHE_TEMPLATE_MAX_OUTPUT_CHARS | 4194304 | longest text a chat template may render (over it: 422) |
 | KVCACHE_TEMPLATE_PROCESSES | 1 | sandbox processes per web worker for request templates |
+| KVCACHE_HTTP_HEADER_TIMEOUT | 10 | seconds from a request's first byte to its headers' end (then 408) |
+| KVCACHE_HTTP_BODY_TIMEOUT | 30 | seconds from a request's headers' end to its body's end (then 408) |
+| KVCACHE_HTTP_IDLE_TIMEOUT | 5 | a connection with no request under way is closed after this long |
+| KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT | 256 | open connections per client address and worker (0: none) |
 | KVCACHE_STATS_GROUP | kvcache-ingest-stats | channel-layer group ingest sends its stats to each second |
 | DASHBOARD_PUSH_SECONDS | 1.0 | how often an open dashboard gets fresh numbers over its websocket |
 | DASHBOARD_HISTORY_SECONDS | 600 | the span the charts open with (ingest keeps the history in Redis: 24 h) |
@@ -233,6 +237,21 @@ KVCACHE_AUTH_FAILURE_WINDOW_SECONDS = float(os.environ.get("KVCACHE_AUTH_FAILURE
 # Comma-separated addresses or networks (10.0.0.0/8) of reverse proxies: a request from one is
 # counted against the client its X-Forwarded-For names. Empty: X-Forwarded-For is ignored.
 KVCACHE_TRUSTED_PROXIES = env_list("KVCACHE_TRUSTED_PROXIES")
+# --- every HTTP connection of manage.py serve and manage.py gateway (stack/asgi_server.py) ----------
+# uvicorn bounds only the wait between requests: a client sending its headers or its body a byte at a
+# time, or connecting and sending nothing, held a connection (a file descriptor) as long as it liked.
+# A request whose headers take longer than KVCACHE_HTTP_HEADER_TIMEOUT from its first byte, or its body
+# longer than KVCACHE_HTTP_BODY_TIMEOUT from its headers' end, is answered 408 and its connection
+# closed; a connection with no request under way (new, or kept alive) is closed after
+# KVCACHE_HTTP_IDLE_TIMEOUT. One client address may hold KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT
+# connections in each worker process (the next is answered 429 and closed; 0: no limit); addresses in
+# KVCACHE_TRUSTED_PROXIES are free of that limit (every client of a proxy comes from its address).
+KVCACHE_HTTP_HEADER_TIMEOUT = float(os.environ.get("KVCACHE_HTTP_HEADER_TIMEOUT", "10"))
+KVCACHE_HTTP_BODY_TIMEOUT = float(os.environ.get("KVCACHE_HTTP_BODY_TIMEOUT", "30"))
+KVCACHE_HTTP_IDLE_TIMEOUT = float(os.environ.get("KVCACHE_HTTP_IDLE_TIMEOUT", "5"))
+KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT = int(
+    os.environ.get("KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT", "256")
+)
 # Deepest nesting of arrays and objects in a request body (deeper: 400 invalid_json). The parsers
 # stop at about 1000 levels whatever this says.
 KVCACHE_MAX_JSON_DEPTH = int(os.environ.get("KVCACHE_MAX_JSON_DEPTH", "64"))
