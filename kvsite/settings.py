@@ -28,6 +28,10 @@
 | KVCACHE_GATEWAY_ALPHA | 0.25 | kv-load: the weight of one waiting request against a whole prefix hit |
 | KVCACHE_SPECULATIVE_SECONDS | 2.0 | a routed request's blocks count as held by its pod this long |
 | KVCACHE_GATEWAY_RETRIES | 2 | next pods tried after a connect error or a 5xx before the first byte |
+| KVCACHE_GATEWAY_CONNECT_TIMEOUT | 2.0 | seconds the gateway waits to connect to a pod (then the next pod) |
+| KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT | 300 | seconds the gateway waits for a pod's answer to begin (504) |
+| KVCACHE_GATEWAY_POD_API_KEY | "" (the client's) | the ``Bearer`` key the gateway sends the pods |
+| KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER | false | send ``x-kvcache-matched-blocks`` (a prefix-cache oracle) |
 | KVCACHE_GATEWAY_URLS | "" (none) | gateways whose routed requests the dashboard counts as scoring traffic |
 | KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
@@ -272,6 +276,18 @@ KVCACHE_GATEWAY_ALPHA = float(os.environ.get("KVCACHE_GATEWAY_ALPHA", "0.25"))
 KVCACHE_SPECULATIVE_SECONDS = float(os.environ.get("KVCACHE_SPECULATIVE_SECONDS", "2.0"))
 # next pods tried after a connect error or a 5xx before the first byte
 KVCACHE_GATEWAY_RETRIES = int(os.environ.get("KVCACHE_GATEWAY_RETRIES", "2"))
+# Seconds to connect to a pod (then the next pod is tried), and for its answer to begin (then 504, no
+# retry: the pod may still be working on it). A non-streaming completion's answer begins when it is
+# done, so the second bounds the longest one.
+KVCACHE_GATEWAY_CONNECT_TIMEOUT = float(os.environ.get("KVCACHE_GATEWAY_CONNECT_TIMEOUT", "2.0"))
+KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT = float(os.environ.get("KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT", "300"))
+# The gateway takes KVCACHE_API_KEYS (every path but /health). To the pods it sends the client's
+# Authorization header, or "Bearer <this key>" instead when it is set (vLLM's --api-key).
+KVCACHE_GATEWAY_POD_API_KEY = os.environ.get("KVCACHE_GATEWAY_POD_API_KEY", "")
+# x-kvcache-matched-blocks tells a client how many blocks of its prompt the chosen pod was known to
+# hold: whether a guessed prefix (another tenant's prompt) is cached. Off unless every client may know
+# that (make run's demo turns it on; cache_salt keeps tenants apart whatever this says).
+KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER = env_bool("KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER")
 # The gateways whose /metrics the dashboard adds to its scoring traffic (requests/s, hit rate).
 KVCACHE_GATEWAY_URLS = [url.rstrip("/") for url in env_list("KVCACHE_GATEWAY_URLS")]
 

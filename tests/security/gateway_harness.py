@@ -141,7 +141,14 @@ class Served:
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, http=http, interface="asgi3", lifespan=lifespan, log_config=None, log_level="critical"
+            app,
+            http=http,
+            loop="asyncio",  # as manage.py serve and gateway run them: asyncio's loop,
+            proxy_headers=False,  # and the client is the connection's peer
+            interface="asgi3",
+            lifespan=lifespan,
+            log_config=None,
+            log_level="critical",
         )
         self.server = uvicorn.Server(config)
         self.server.capture_signals = contextlib.nullcontext  # the test process keeps its signals
