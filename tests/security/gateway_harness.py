@@ -57,9 +57,14 @@ def answer_never(conn: socket.socket, request: Received) -> bool:
     return False
 
 
-def answer_malformed_chunks(conn: socket.socket, request: Received) -> bool:
-    """A 200 whose chunked body is malformed from its first chunk on; then silence."""
+def answer_malformed_chunks(conn: socket.socket, request: Received, *, good: int = 0) -> bool:
+    """A 200 whose chunked body turns malformed after ``good`` well-formed chunks, each a moment
+    after the last (the head goes out alone); then silence."""
     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    for _ in range(good):
+        time.sleep(0.2)
+        conn.sendall(b"d\r\ndata: token\n\n\r\n")
+    time.sleep(0.2)
     conn.sendall(b"zz\r\nnot a chunk\r\n")
     return False
 
