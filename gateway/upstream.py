@@ -70,6 +70,7 @@ class _Connection(asyncio.Protocol):
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self.complete = False
+        self.keep_alive = False  # as the parser said at the answer's end (it forgets once reset)
         self.error: UpstreamError | None = None
         self.received = False  # any byte of the answer
         self.framed = False  # Content-Length or Transfer-Encoding: the body does not end at the close
@@ -129,7 +130,7 @@ class _Connection(asyncio.Protocol):
         return self.complete and not self.chunks
 
     def reusable(self) -> bool:
-        return self.at_end() and not self.closed and self.parser.should_keep_alive()
+        return self.at_end() and self.keep_alive and not self.closed
 
     def abort(self) -> None:
         """Closes the connection: a request on it ends for the pod."""
@@ -203,6 +204,7 @@ class _Connection(asyncio.Protocol):
             self.interim = False
             return
         self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
         self._wake()
 
     # --- the rest ----------------------------------------------------------------------------
