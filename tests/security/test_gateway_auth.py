@@ -4,12 +4,17 @@ leaves ``/health`` open, and sends the pods a key of their own when one is set."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.dashboard.conftest import ROOT, Process
 from tests.security.gateway_harness import MODEL, RawPod, Served, gateway_app
+from tests.servers import free_port, service_env, wait_until
 
 
 @pytest.fixture
@@ -55,3 +60,31 @@ def test_without_a_pod_key_the_clients_authorization_goes_to_the_pod(pod: RawPod
         assert [r.header(b"authorization") for r in pod.received] == [b"Bearer key-1"]
     finally:
         gateway.stop()
+
+
+@pytest.mark.slow
+def test_the_gateway_command_takes_the_api_keys(tmp_path: Path, redis_url: str) -> None:
+    """``manage.py gateway`` as operators run it reads ``KVCACHE_API_KEYS`` (``gateway/asgi.py``)."""
+    env = service_env(tmp_path, redis_url, HF_HUB_OFFLINE="1", KVCACHE_API_KEYS="key-1,key-2")
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
+    port = free_port()
+    gateway = Process(
+        [sys.executable, "manage.py", "gateway", "--port", str(port), "--workers", "1"], env, tmp_path / "log"
+    )
+    gateway.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _status(f"{url}/health") == 200, timeout=30, what="the gateway to answer")
+        assert _status(f"{url}/v1/models") == 401
+        assert _status(f"{url}/metrics", key="key-1") == 200
+        assert _status(f"{url}/v1/models", key="key-2") == 200
+    finally:
+        gateway.stop()
+
+
+def _status(url: str, *, key: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        return httpx.get(url, headers=headers, timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
