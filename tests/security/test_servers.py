@@ -141,7 +141,7 @@ def test_both_servers_drop_slow_and_idle_clients(
         HF_HUB_OFFLINE="1",
         KVCACHE_HTTP_HEADER_TIMEOUT="0.5",
         KVCACHE_HTTP_BODY_TIMEOUT="0.5",
-        KVCACHE_HTTP_IDLE_TIMEOUT="0.5",
+        KVCACHE_HTTP_IDLE_TIMEOUT="1.0",
         KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT="20",
     )
     subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
@@ -152,7 +152,7 @@ def test_both_servers_drop_slow_and_idle_clients(
     process.start()
     try:
         wait_until(lambda: _answers(port, health), timeout=30, what=f"{command} to answer")
-        time.sleep(1.0)  # the probes' kept-alive connection is closed by now
+        time.sleep(1.5)  # the readiness probes' connections are gone by now
         baseline = open_fds(process.proc.pid)
         slow = socket.create_connection(("127.0.0.1", port))
         slow.sendall(b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\nx-slow: ")  # headers never end
