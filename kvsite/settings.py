@@ -239,8 +239,11 @@ KVCACHE_PREFIX_STORE_CAPACITY = int(os.environ.get("KVCACHE_PREFIX_STORE_CAPACIT
 KVCACHE_AUTH_FAILURES = int(os.environ.get("KVCACHE_AUTH_FAILURES", "5"))
 KVCACHE_AUTH_FAILURE_WINDOW_SECONDS = float(os.environ.get("KVCACHE_AUTH_FAILURE_WINDOW_SECONDS", "60"))
 # Comma-separated addresses or networks (10.0.0.0/8) of reverse proxies: a request from one is
-# counted against the client its X-Forwarded-For names. Empty: X-Forwarded-For is ignored.
+# counted against the client its X-Forwarded-For names; the gateway passes their forwarding headers
+# on to the pods (and only theirs); the servers' per-client connection limit spares them (stack.trust).
+# Empty: X-Forwarded-For is ignored.
 KVCACHE_TRUSTED_PROXIES = env_list("KVCACHE_TRUSTED_PROXIES")
+
 # --- every HTTP connection of manage.py serve and manage.py gateway (stack/asgi_server.py) ----------
 # uvicorn bounds only the wait between requests: a client sending its headers or its body a byte at a
 # time, or connecting and sending nothing, held a connection (a file descriptor) as long as it liked.
