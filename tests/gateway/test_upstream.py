@@ -38,7 +38,7 @@ def test_a_connection_is_kept_alive_and_reused() -> None:
         answers = fetch_all(pod.address, 5)
         assert [status for status, _ in answers] == [200] * 5
         assert [r.body for r in pod.received] == [b"0", b"1", b"2", b"3", b"4"]
-        assert len(pod._connections) == 1
+        assert len(pod.connections) == 1
     finally:
         pod.stop()
 
@@ -57,7 +57,7 @@ def test_a_connection_the_pod_closed_unanswered_is_retried_once_on_a_new_one() -
     pod = RawPod(once_per_connection)
     try:
         assert [status for status, _ in fetch_all(pod.address, 3)] == [200] * 3
-        assert len(pod._connections) == 3
+        assert len(pod.connections) == 3
     finally:
         pod.stop()
 
@@ -72,6 +72,6 @@ def test_interim_answers_are_skipped_and_a_body_may_end_at_the_close() -> None:
     pod = RawPod(continue_then_until_close)
     try:
         assert fetch_all(pod.address, 2) == [(200, b"hello, world")] * 2
-        assert len(pod._connections) == 2  # an answer that ends at the close ends its connection
+        assert len(pod.connections) == 2  # an answer that ends at the close ends its connection
     finally:
         pod.stop()

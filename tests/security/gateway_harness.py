@@ -73,8 +73,9 @@ class RawPod:
     """A pod on a free loopback port, one thread per connection: it reads each request whole
     (``Content-Length`` framing), records it in ``received``, and answers with ``answer``
     (which returns whether to read another request from the connection). ``closed`` gets the
-    time of every connection the gateway closed while the pod was still waiting on it. The
-    gateway's scrapes of ``/metrics`` are answered (empty) and not recorded."""
+    time of every connection the gateway closed while the pod was still waiting on it;
+    ``connections`` every connection accepted. The gateway's scrapes of ``/metrics`` are answered
+    (empty) and not recorded."""
 
     def __init__(self, answer: Callable[[socket.socket, Received], bool] = answer_ok) -> None:
         self.answer = answer
@@ -84,7 +85,7 @@ class RawPod:
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(64)
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self._connections: list[socket.socket] = []
+        self.connections: list[socket.socket] = []
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -97,7 +98,7 @@ class RawPod:
                 continue
             except OSError:
                 return
-            self._connections.append(conn)
+            self.connections.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -131,7 +132,7 @@ class RawPod:
     def stop(self) -> None:
         self._stop.set()
         self.listener.close()
-        for conn in self._connections:
+        for conn in self.connections:
             with contextlib.suppress(OSError):
                 conn.close()
 
