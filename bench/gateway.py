@@ -62,7 +62,15 @@ class Stack:
     def __init__(self, *, pods: int = 2, simulate_args: tuple[str, ...] = ZERO_LATENCY) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvgateway-"))
         self.valkey = Valkey()
-        self.env = project_env(self.tmp, self.valkey.url, KVCACHE_POD_DOWN_SECONDS="0")
+        # The routing benchmark (bench/routing.py) compares the gateway's matched blocks with the
+        # pods' cached tokens, and its one load generator stands for many clients.
+        self.env = project_env(
+            self.tmp,
+            self.valkey.url,
+            KVCACHE_POD_DOWN_SECONDS="0",
+            KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER="true",
+            KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT="0",
+        )
         ingest_port = free_port()
         self.pod_port = free_port_range(pods)
         self.procs = [

@@ -69,13 +69,16 @@ GATEWAY_SCRAPE_TIMEOUT_SECONDS = 0.5
 
 def scrape_gateways() -> list[GatewayScrape]:
     """One scrape of the ``/metrics`` of each gateway in ``KVCACHE_GATEWAY_URLS``, in that
-    order. A gateway that cannot be reached, answers other than 200 or not with Prometheus text
-    is a scrape without counters that says why."""
+    order (with the first of ``KVCACHE_API_KEYS``, which the gateways take too). A gateway that
+    cannot be reached, answers other than 200 or not with Prometheus text is a scrape without
+    counters that says why."""
+    keys = settings.KVCACHE_API_KEYS
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     scrapes = []
     for url in settings.KVCACHE_GATEWAY_URLS:
         at, counters, error = time.time(), None, None
         try:
-            response = httpx.get(f"{url}/metrics", timeout=GATEWAY_SCRAPE_TIMEOUT_SECONDS)
+            response = httpx.get(f"{url}/metrics", headers=headers, timeout=GATEWAY_SCRAPE_TIMEOUT_SECONDS)
         except httpx.HTTPError as e:
             error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         else:

@@ -4,11 +4,10 @@
 template too, with vLLM's default ``add_generation_prompt``), its block keys looked up in the
 index (plus speculative entries), the policy ranks the model's live pods, and the body goes to
 the first unchanged; the pod's answer comes back byte for byte, streamed chunk by chunk, with
-``x-kvcache-pod`` and ``x-kvcache-matched-blocks``. A connect error or a 5xx before the first
-byte sends it to the next pod (``retries`` more at most). A client that goes away closes the
-pod's request too. Tokenizing or the index failing never fails a request: it is routed on load
-alone and counted. ``GET /v1/models`` (the live pods' models and LoRA adapters), ``/health``,
-``/metrics``.
+``x-kvcache-pod`` and ``x-kvcache-policy``. A connect error or a 5xx before the first byte sends it
+to the next pod (``retries`` more at most). Tokenizing or the index failing never fails a request:
+it is routed on load alone and counted. ``GET /v1/models`` (the live pods' models and LoRA
+adapters), ``/health``, ``/metrics``.
 
 Live pods: registered, enabled, not found down by the prober, with an address, serving the
 request's model (or the base model of the LoRA adapter it names).
@@ -18,6 +17,24 @@ key them, so a salted request is routed by its salted prefix. Multimodal inputs 
 vLLM's media identifiers are hashes its processor computes from the media, which the gateway does
 not reproduce, so a conversation with non-text content parts is routed on load alone (keying it
 fails, and is counted).
+
+Trust (issue 27):
+
+* with ``api_keys``, every path but ``/health`` needs ``Authorization: Bearer <key>`` (401 in
+  OpenAI's shape); ``pod_api_key``, when set, replaces the client's ``Authorization`` towards
+  the pods;
+* ``x-kvcache-matched-blocks`` (how many of the prompt's blocks the chosen pod was known to hold)
+  is sent only when ``matched_blocks_header`` is on: it tells any client whether a guessed prefix,
+  another tenant's prompt included, is cached. Tenants that send a ``cache_salt`` are kept apart
+  whatever it says;
+* the client's header bytes go to the pod as they came (``gateway.upstream``), less the hop-by-hop
+  ones and ``Expect`` (the gateway has the whole body before it picks a pod); ``X-Forwarded-For``
+  names the client's connection, after what a trusted proxy (``trusted_proxies``) said; the other
+  forwarding headers (``X-Forwarded-*``, ``Forwarded``, ``X-Real-IP``) pass only from a trusted
+  proxy;
+* every wait on a pod is bounded (``connect_timeout``, ``first_byte_timeout``: 504), a pod's
+  malformed answer is a 502 (or, once the client's answer has begun, its connection closes), and
+  a client that goes away, at any point, closes the pod's request.
 """
 
 from __future__ import annotations
@@ -31,13 +48,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway import metrics
-from gateway.load import LoadTracker
+from gateway.load import SCRAPE_TIMEOUT_SECONDS, LoadTracker
 from gateway.memory import KeyMemory
 from gateway.policies import DEFAULT_ALPHA, Candidate, affinity_of, make_policy
+from gateway.upstream import Upstream, UpstreamError, UpstreamResponse
 from kvindex import IndexUnavailable, KVIndex
 from registry.config import ServiceConfig, owner_pod
 from registry.snapshot import ConfigSource
@@ -50,6 +67,7 @@ from scoring.read_path import (
     key_token_ids,
     look_up,
 )
+from stack.trust import TrustedProxies, bearer_problem
 from tokenization.template_sandbox import TemplateSandbox
 from tokenization.tokenizers import TokenizerRegistry
 
@@ -73,6 +91,11 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
+NOT_FOR_PODS = HOP_BY_HOP | {b"expect", b"x-forwarded-for"}
+"""Request headers the gateway does not pass on as they are (``X-Forwarded-For``: it writes its own)."""
+FORWARDING = frozenset({b"forwarded", b"x-real-ip"})
+"""With ``X-Forwarded-*``: what a client says of where it comes from, passed on from trusted proxies only."""
+CHALLENGE = [(b"www-authenticate", b'Bearer realm="kvcache-gateway"')]
 ROUTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
@@ -83,10 +106,20 @@ class GatewaySettings:
     speculative_seconds: float = 2.0
     retries: int = 2
     connect_timeout: float = 2.0
+    first_byte_timeout: float = 300.0
+    """Longest wait for a pod's answer to begin (its head: for a non-streaming request, when the
+    completion is done); then 504."""
     max_body_bytes: int = 4 * 1024 * 1024
     threads: int = 8
     seed: int | None = None
     allow_request_templates: bool = True
+    api_keys: tuple[str, ...] = ()
+    """The clients' keys (``Authorization: Bearer``); empty: every client is served."""
+    pod_api_key: str = ""
+    """Sent to the pods as ``Authorization: Bearer`` instead of the client's; empty: the client's."""
+    matched_blocks_header: bool = False
+    """Send ``x-kvcache-matched-blocks`` (a prefix-cache oracle for any client: off by default)."""
+    trusted_proxies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +135,17 @@ class GatewayHandles:
 class _Refused(Exception):
     """A request answered by the gateway itself (an OpenAI-style error)."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.headers = headers or []
 
 
 class GatewayApp:
@@ -121,29 +161,26 @@ class GatewayApp:
         self.memory = KeyMemory(ttl=None, max_keys=1_000_000)
         self.load = LoadTracker()
         self._executor = ThreadPoolExecutor(settings.threads, thread_name_prefix="gateway")
-        self._client: aiohttp.ClientSession | None = None
+        self._upstream = Upstream(
+            connect_timeout=settings.connect_timeout, first_byte_timeout=settings.first_byte_timeout
+        )
         self._scraper: asyncio.Task | None = None
         self._config: ServiceConfig | None = None
+        self._proxies = TrustedProxies(settings.trusted_proxies)
+        self._pod_authorization = (
+            [(b"authorization", b"Bearer " + settings.pod_api_key.encode())] if settings.pod_api_key else []
+        )
+        self._not_for_pods = NOT_FOR_PODS | ({b"authorization"} if settings.pod_api_key else set())
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def startup(self) -> None:
-        # aiohttp rather than httpx: the hop costs half as much (bench/gateway.py).
-        # Connections unlimited, kept alive; identity unless the client asks, and no decoding:
-        # the pod's bytes go back as they are.
-        self._client = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout),
-            connector=aiohttp.TCPConnector(limit=0),
-            headers={"accept-encoding": "identity"},
-            auto_decompress=False,
-        )
-        self._scraper = asyncio.create_task(self.load.scrape_forever(self._client, self._addresses))
+        self._scraper = asyncio.create_task(self.load.scrape_forever(self._pod_metrics, self._addresses))
 
     async def shutdown(self) -> None:
         if self._scraper is not None:
             self._scraper.cancel()
-        if self._client is not None:
-            await self._client.close()
+        self._upstream.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -152,10 +189,12 @@ class GatewayApp:
             return
         if scope["type"] != "http":
             return
-        if self._client is None:  # served without a lifespan (some test servers)
+        if self._scraper is None:  # served without a lifespan (some test servers)
             await self.startup()
         path, method = scope["path"], scope["method"]
         try:
+            if self.settings.api_keys and path != "/health":
+                self._authenticate(scope)
             if path in ROUTED_PATHS:
                 if method != "POST":
                     raise _Refused(405, f"{path} takes POST")
@@ -170,7 +209,14 @@ class GatewayApp:
             else:
                 raise _Refused(404, f"no route {method} {path}", "not_found_error")
         except _Refused as refused:
-            await _send_error(send, refused.status, str(refused), refused.kind)
+            await _send_error(send, refused.status, str(refused), refused.kind, refused.headers)
+
+    def _authenticate(self, scope: Scope) -> None:
+        """Passes a request with one of the API keys (``stack.trust``, as the scoring API's)."""
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        problem = bearer_problem(header, self.settings.api_keys)
+        if problem is not None:
+            raise _Refused(401, problem, "authentication_error", CHALLENGE)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -345,101 +391,123 @@ class GatewayApp:
         received: float,
     ) -> None:
         policy = self.policy.name
-        assert self._client is not None
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in scope["headers"]
-            if k.lower() not in HOP_BY_HOP
-        ]
+        headers = self._pod_headers(scope)
+        target = scope["path"].encode()  # one of ROUTED_PATHS
         metrics.OVERHEAD.labels(policy).observe(time.perf_counter() - received)
-        problems = []
-        for attempt, candidate in enumerate(ranked[: 1 + self.settings.retries]):
-            if attempt:
-                metrics.RETRIES.labels(policy, problems[-1][0]).inc()
-            pod = candidate.pod
-            url = f"http://{pods[pod]}{scope['path']}"
-            self.load.start(pod)
-            try:
-                sent = time.perf_counter()
-                try:
-                    response = await self._client.post(url, data=body, headers=headers)
-                except (aiohttp.ClientError, TimeoutError) as error:
-                    problems.append(("connect", f"{pod}: {type(error).__name__}: {error}"))
-                    continue
-                if response.status >= 500:
-                    response.close()
-                    problems.append(("status", f"{pod}: HTTP {response.status}"))
-                    continue
-                if self.policy.source == "index":
-                    self.speculative.record(model, keys, pod, now=time.monotonic())
-                    if self._sharing and keys:
-                        self._executor.submit(self._share_speculation, model, pod, keys)
-                elif self.policy.source == "memory":
-                    self.memory.record(model, keys, pod, now=time.monotonic())
-                metrics.MATCHED.labels(policy).inc(candidate.matched)
-                if candidate.matched:
-                    metrics.HITS.labels(policy).inc()
-                metrics.BLOCKS.labels(policy).inc(len(keys))
-                outcome = await self._relay(response, receive, send, candidate, sent)
-                metrics.REQUESTS.labels(policy, pod, outcome).inc()
-                return
-            finally:
-                self.load.finish(pod)
-        metrics.REQUESTS.labels(policy, "", "upstream_error").inc()
-        detail = "; ".join(message for _, message in problems) or "no pod to try"
-        await _send_error(send, 502, f"no pod answered: {detail}", "upstream_error")
-
-    async def _relay(
-        self,
-        response: aiohttp.ClientResponse,
-        receive: Receive,
-        send: Send,
-        candidate: Candidate,
-        sent: float,
-    ) -> str:
-        """The pod's response to the client as it comes; returns the outcome."""
-        headers = [
-            (k, v)
-            for k, v in response.raw_headers
-            if k.lower() not in HOP_BY_HOP or k.lower() == b"content-length"
-        ]
-        headers += [
-            (b"x-kvcache-pod", candidate.pod.encode()),
-            (b"x-kvcache-matched-blocks", str(candidate.matched).encode()),
-            (b"x-kvcache-policy", self.policy.name.encode()),
-        ]
-        policy = self.policy.name
-
-        async def pump() -> None:
-            first = True
-            async for chunk in response.content.iter_any():
-                if first:
-                    metrics.TTFT.labels(policy).observe(time.perf_counter() - sent)
-                    first = False
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        outcome = "upstream_error"
+        # One watcher for the whole hop: when the client goes away, at any await below (connecting,
+        # waiting for the pod's head, relaying its body), this task is cancelled and the pod's
+        # connection closed with it.
+        watcher = asyncio.create_task(_cancel_on_departure(receive, asyncio.current_task()))
+        pod, outcome = "", "upstream_error"
         try:
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
-            relay = asyncio.create_task(pump())
-            gone = asyncio.create_task(_disconnected(receive))
-            done, _ = await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if relay in done:
-                gone.cancel()
-                relay.result()
-                outcome = "ok"
-            else:
-                relay.cancel()
-                outcome = "client_gone"
-            return outcome
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return outcome
+            problems: list[tuple[str, str]] = []
+            for attempt, candidate in enumerate(ranked[: 1 + self.settings.retries]):
+                if attempt:
+                    metrics.RETRIES.labels(policy, problems[-1][0]).inc()
+                pod = candidate.pod
+                self.load.start(pod)
+                try:
+                    sent = time.perf_counter()
+                    try:
+                        response = await self._upstream.request(pods[pod], b"POST", target, headers, body)
+                    except UpstreamError as error:
+                        if error.reason == "timeout":  # the pod may still be working on it: no retry
+                            seconds = self.settings.first_byte_timeout
+                            message = f"{pod} did not answer within {seconds:g} s"
+                            await _send_error(send, 504, message, "upstream_timeout")
+                            return
+                        problems.append((error.reason, f"{pod}: {error}"))
+                        continue
+                    if response.status >= 500:
+                        response.close()
+                        problems.append(("status", f"{pod}: HTTP {response.status}"))
+                        continue
+                    if self.policy.source == "index":
+                        self.speculative.record(model, keys, pod, now=time.monotonic())
+                        if self._sharing and keys:
+                            self._executor.submit(self._share_speculation, model, pod, keys)
+                    elif self.policy.source == "memory":
+                        self.memory.record(model, keys, pod, now=time.monotonic())
+                    metrics.MATCHED.labels(policy).inc(candidate.matched)
+                    if candidate.matched:
+                        metrics.HITS.labels(policy).inc()
+                    metrics.BLOCKS.labels(policy).inc(len(keys))
+                    outcome = await self._relay(response, send, candidate, sent)
+                    return
+                finally:
+                    self.load.finish(pod)
+            pod = ""
+            detail = "; ".join(message for _, message in problems) or "no pod to try"
+            await _send_error(send, 502, f"no pod answered: {detail}", "upstream_error")
+        except asyncio.CancelledError:
+            if not _departed(watcher) or asyncio.current_task().uncancel():  # not (only) the client's
+                raise
+            outcome = "client_gone"
         finally:
-            if outcome == "ok":
-                response.release()  # read to the end: the connection goes back to the pool
+            watcher.cancel()
+            metrics.REQUESTS.labels(policy, pod, outcome).inc()
+
+    async def _relay(self, response: UpstreamResponse, send: Send, candidate: Candidate, sent: float) -> str:
+        """The pod's answer to the client as it comes; returns the outcome. The client's head waits
+        for the body's first bytes: a body malformed from its start is a 502, not a 200 cut short.
+        A body that breaks off later leaves the client's answer unfinished (uvicorn closes it)."""
+        policy = self.policy.name
+        done = False
+        try:
+            try:
+                chunk = await response.next_chunk()
+            except UpstreamError as error:
+                await _send_error(send, 502, f"{candidate.pod} answered malformed: {error}", "upstream_error")
+                return "upstream_error"
+            metrics.TTFT.labels(policy).observe(time.perf_counter() - sent)
+            headers = [
+                (k, v)
+                for k, v in response.headers
+                if k.lower() not in HOP_BY_HOP or k.lower() == b"content-length"
+            ]
+            headers.append((b"x-kvcache-pod", candidate.pod.encode()))
+            if self.settings.matched_blocks_header:
+                headers.append((b"x-kvcache-matched-blocks", str(candidate.matched).encode()))
+            headers.append((b"x-kvcache-policy", policy.encode()))
+            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            while True:
+                last = response.at_end()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    break
+                try:
+                    chunk = await response.next_chunk()
+                except UpstreamError as error:
+                    log.warning("the answer of %s broke off: %s", candidate.pod, error)
+                    return "upstream_error"
+            done = True
+            return "ok"
+        finally:
+            if done:
+                response.release()  # read to the end: the connection is kept for the next request
             else:
                 response.close()  # closing the connection ends the pod's request
+
+    def _pod_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """The client's request headers for the pod, bytes as they came, less the hop-by-hop ones
+        and ``Expect``; ``Authorization`` the pods' key when there is one; forwarding headers
+        only from a trusted proxy, and ``X-Forwarded-For`` ending with the connection's peer."""
+        client = scope.get("client")
+        peer = client[0] if client else None
+        trusted = peer is not None and self._proxies.trusts(peer)
+        not_for_pods = self._not_for_pods
+        headers, forwarded_for = [], []
+        for name, value in scope["headers"]:  # ASGI: names in lower case
+            if name in not_for_pods:
+                if name == b"x-forwarded-for" and trusted:
+                    forwarded_for.append(value)
+            elif trusted or not (name in FORWARDING or name.startswith(b"x-forwarded-")):
+                headers.append((name, value))
+        headers += self._pod_authorization
+        if peer is not None:
+            forwarded_for.append(peer.encode())
+            headers.append((b"x-forwarded-for", b", ".join(forwarded_for)))
+        return headers
 
     # --- the rest ----------------------------------------------------------------------------
 
@@ -451,6 +519,16 @@ class GatewayApp:
             "object": "list",
             "data": [{"id": i, "object": "model", "created": 0, "owned_by": "kvcache-gateway"} for i in ids],
         }
+
+    async def _pod_metrics(self, address: str) -> bytes | None:
+        """A pod's ``/metrics`` text; None when it does not answer 200 in time (the load scraper's)."""
+        try:
+            status, body = await self._upstream.fetch(
+                address, b"/metrics", self._pod_authorization, timeout=SCRAPE_TIMEOUT_SECONDS
+            )
+        except UpstreamError:
+            return None
+        return body if status == 200 else None
 
     def _addresses(self) -> dict[str, str]:
         """Every live pod's address (the load scraper's targets)."""
@@ -497,21 +575,35 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
-async def _disconnected(receive: Receive) -> None:
+async def _cancel_on_departure(receive: Receive, request: asyncio.Task | None) -> None:
+    """Cancels ``request`` (the task relaying it) when its client goes away."""
     while (await receive())["type"] != "http.disconnect":
         pass
+    if request is not None:
+        request.cancel()
 
 
-async def _send(send: Send, status: int, body: bytes, content_type: bytes) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+def _departed(watcher: asyncio.Task) -> bool:
+    """Whether ``_cancel_on_departure`` saw the client go (and cancelled the request)."""
+    return watcher.done() and not watcher.cancelled() and watcher.exception() is None
+
+
+async def _send(
+    send: Send, status: int, body: bytes, content_type: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(extra or ())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_json(send: Send, status: int, payload: Any) -> None:
-    await _send(send, status, orjson.dumps(payload), b"application/json")
+async def _send_json(
+    send: Send, status: int, payload: Any, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await _send(send, status, orjson.dumps(payload), b"application/json", extra)
 
 
-async def _send_error(send: Send, status: int, message: str, kind: str) -> None:
+async def _send_error(
+    send: Send, status: int, message: str, kind: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
     """OpenAI's error shape."""
-    await _send_json(send, status, {"error": {"message": message, "type": kind, "code": status}})
+    await _send_json(send, status, {"error": {"message": message, "type": kind, "code": status}}, extra)

@@ -29,6 +29,12 @@ gateway = GatewayApp(
         max_body_bytes=settings.KVCACHE_MAX_BODY_BYTES,
         threads=settings.KVCACHE_SCORING_THREADS,
         allow_request_templates=settings.KVCACHE_REQUEST_TEMPLATES,
+        connect_timeout=settings.KVCACHE_GATEWAY_CONNECT_TIMEOUT,
+        first_byte_timeout=settings.KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT,
+        api_keys=tuple(settings.KVCACHE_API_KEYS),
+        pod_api_key=settings.KVCACHE_GATEWAY_POD_API_KEY,
+        matched_blocks_header=settings.KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER,
+        trusted_proxies=tuple(settings.KVCACHE_TRUSTED_PROXIES),
     ),
 )
 

@@ -18,9 +18,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
-
-import aiohttp
+from collections.abc import Awaitable, Callable, Mapping
 
 from registry.liveness import requests_by_state
 
@@ -28,7 +26,6 @@ log = logging.getLogger(__name__)
 
 SCRAPE_SECONDS = 1.0
 SCRAPE_TIMEOUT_SECONDS = 0.5
-_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
 REPORTED_FOR_SECONDS = 5.0
 """A scrape older than this no longer counts (the pod stopped answering its metrics)."""
 
@@ -71,21 +68,17 @@ class LoadTracker:
             self.slots[pod] = running
 
     async def scrape_forever(
-        self, client: aiohttp.ClientSession, addresses: Callable[[], Mapping[str, str]]
+        self, fetch: Callable[[str], Awaitable[bytes | None]], addresses: Callable[[], Mapping[str, str]]
     ) -> None:
-        """Every ``SCRAPE_SECONDS``: every pod's ``/metrics``, concurrently (until cancelled)."""
+        """Every ``SCRAPE_SECONDS``: every pod's ``/metrics`` (``fetch(address)``: its text, None when
+        it did not answer 200 within ``SCRAPE_TIMEOUT_SECONDS``), concurrently (until cancelled)."""
         while True:
             targets = dict(addresses())
             if targets:
-                await asyncio.gather(
-                    *(self._scrape(client, pod, address) for pod, address in targets.items())
-                )
+                await asyncio.gather(*(self._scrape(fetch, pod, address) for pod, address in targets.items()))
             await asyncio.sleep(SCRAPE_SECONDS)
 
-    async def _scrape(self, client: aiohttp.ClientSession, pod: str, address: str) -> None:
-        try:
-            async with client.get(f"http://{address}/metrics", timeout=_SCRAPE_TIMEOUT) as response:
-                if response.status == 200:
-                    self.observe(pod, *requests_by_state(await response.read()))
-        except (aiohttp.ClientError, TimeoutError):
-            pass  # its load is then ours alone, until the scrape goes stale
+    async def _scrape(self, fetch: Callable[[str], Awaitable[bytes | None]], pod: str, address: str) -> None:
+        text = await fetch(address)
+        if text is not None:  # else its load is ours alone, until the scrape goes stale
+            self.observe(pod, *requests_by_state(text))

@@ -36,7 +36,8 @@ REQUESTS = Counter(
 )
 RETRIES = Counter(
     "kvcache_gateway_retries",
-    "Requests sent to a next pod after a connect error or a 5xx before the first byte.",
+    "Requests sent to a next pod after a failure before its answer began, by reason (connect: not "
+    "reached; closed, malformed: the connection closed or the answer's head malformed; status: a 5xx).",
     ["policy", "reason"],
     registry=REGISTRY,
 )

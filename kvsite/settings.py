@@ -30,6 +30,10 @@
 | KVCACHE_GATEWAY_ALPHA | 0.25 | kv-load: the weight of one waiting request against a whole prefix hit |
 | KVCACHE_SPECULATIVE_SECONDS | 2.0 | a routed request's blocks count as held by its pod this long |
 | KVCACHE_GATEWAY_RETRIES | 2 | next pods tried after a connect error or a 5xx before the first byte |
+| KVCACHE_GATEWAY_CONNECT_TIMEOUT | 2.0 | seconds the gateway waits to connect to a pod (then the next pod) |
+| KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT | 300 | seconds the gateway waits for a pod's answer to begin (504) |
+| KVCACHE_GATEWAY_POD_API_KEY | "" (the client's) | the ``Bearer`` key the gateway sends the pods |
+| KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER | false | send ``x-kvcache-matched-blocks`` (a prefix-cache oracle) |
 | KVCACHE_GATEWAY_URLS | "" (none) | gateways whose routed requests the dashboard counts as scoring traffic |
 | KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
@@ -37,6 +41,10 @@
 | KVCACHE_TEMPLATE_CPU_MS | 250 | CPU time a request's chat template may use (over it: 422) |
 | KVCACHE_TEMPLATE_MAX_OUTPUT_CHARS | 4194304 | longest text a chat template may render (over it: 422) |
 | KVCACHE_TEMPLATE_PROCESSES | 1 | sandbox processes per web worker for request templates |
+| KVCACHE_HTTP_HEADER_TIMEOUT | 10 | seconds from a request's first byte to its headers' end (then 408) |
+| KVCACHE_HTTP_BODY_TIMEOUT | 30 | seconds from a request's headers' end to its body's end (then 408) |
+| KVCACHE_HTTP_IDLE_TIMEOUT | 5 | a connection with no request under way is closed after this long |
+| KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT | 256 | open connections per client address and worker (0: none) |
 | KVCACHE_STATS_GROUP | kvcache-ingest-stats | channel-layer group ingest sends its stats to each second |
 | DASHBOARD_PUSH_SECONDS | 1.0 | how often an open dashboard gets fresh numbers over its websocket |
 | DASHBOARD_HISTORY_SECONDS | 600 | the span the charts open with (ingest keeps the history in Redis: 24 h) |
@@ -233,8 +241,26 @@ KVCACHE_PREFIX_STORE_CAPACITY = int(os.environ.get("KVCACHE_PREFIX_STORE_CAPACIT
 KVCACHE_AUTH_FAILURES = int(os.environ.get("KVCACHE_AUTH_FAILURES", "5"))
 KVCACHE_AUTH_FAILURE_WINDOW_SECONDS = float(os.environ.get("KVCACHE_AUTH_FAILURE_WINDOW_SECONDS", "60"))
 # Comma-separated addresses or networks (10.0.0.0/8) of reverse proxies: a request from one is
-# counted against the client its X-Forwarded-For names. Empty: X-Forwarded-For is ignored.
+# counted against the client its X-Forwarded-For names; the gateway passes their forwarding headers
+# on to the pods (and only theirs); the servers' per-client connection limit spares them (stack.trust).
+# Empty: X-Forwarded-For is ignored.
 KVCACHE_TRUSTED_PROXIES = env_list("KVCACHE_TRUSTED_PROXIES")
+
+# --- every HTTP connection of manage.py serve and manage.py gateway (stack/asgi_server.py) ----------
+# uvicorn bounds only the wait between requests: a client sending its headers or its body a byte at a
+# time, or connecting and sending nothing, held a connection (a file descriptor) as long as it liked.
+# A request whose headers take longer than KVCACHE_HTTP_HEADER_TIMEOUT from its first byte, or its body
+# longer than KVCACHE_HTTP_BODY_TIMEOUT from its headers' end, is answered 408 and its connection
+# closed; a connection with no request under way (new, or kept alive) is closed after
+# KVCACHE_HTTP_IDLE_TIMEOUT. One client address may hold KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT
+# connections in each worker process (the next is answered 429 and closed; 0: no limit); addresses in
+# KVCACHE_TRUSTED_PROXIES are free of that limit (every client of a proxy comes from its address).
+KVCACHE_HTTP_HEADER_TIMEOUT = float(os.environ.get("KVCACHE_HTTP_HEADER_TIMEOUT", "10"))
+KVCACHE_HTTP_BODY_TIMEOUT = float(os.environ.get("KVCACHE_HTTP_BODY_TIMEOUT", "30"))
+KVCACHE_HTTP_IDLE_TIMEOUT = float(os.environ.get("KVCACHE_HTTP_IDLE_TIMEOUT", "5"))
+KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT = int(
+    os.environ.get("KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT", "256")
+)
 # Deepest nesting of arrays and objects in a request body (deeper: 400 invalid_json). The parsers
 # stop at about 1000 levels whatever this says.
 KVCACHE_MAX_JSON_DEPTH = int(os.environ.get("KVCACHE_MAX_JSON_DEPTH", "64"))
@@ -262,6 +288,18 @@ KVCACHE_GATEWAY_ALPHA = float(os.environ.get("KVCACHE_GATEWAY_ALPHA", "0.25"))
 KVCACHE_SPECULATIVE_SECONDS = float(os.environ.get("KVCACHE_SPECULATIVE_SECONDS", "2.0"))
 # next pods tried after a connect error or a 5xx before the first byte
 KVCACHE_GATEWAY_RETRIES = int(os.environ.get("KVCACHE_GATEWAY_RETRIES", "2"))
+# Seconds to connect to a pod (then the next pod is tried), and for its answer to begin (then 504, no
+# retry: the pod may still be working on it). A non-streaming completion's answer begins when it is
+# done, so the second bounds the longest one.
+KVCACHE_GATEWAY_CONNECT_TIMEOUT = float(os.environ.get("KVCACHE_GATEWAY_CONNECT_TIMEOUT", "2.0"))
+KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT = float(os.environ.get("KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT", "300"))
+# The gateway takes KVCACHE_API_KEYS (every path but /health). To the pods it sends the client's
+# Authorization header, or "Bearer <this key>" instead when it is set (vLLM's --api-key).
+KVCACHE_GATEWAY_POD_API_KEY = os.environ.get("KVCACHE_GATEWAY_POD_API_KEY", "")
+# x-kvcache-matched-blocks tells a client how many blocks of its prompt the chosen pod was known to
+# hold: whether a guessed prefix (another tenant's prompt) is cached. Off unless every client may know
+# that (make run's demo turns it on; cache_salt keeps tenants apart whatever this says).
+KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER = env_bool("KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER")
 # The gateways whose /metrics the dashboard adds to its scoring traffic (requests/s, hit rate).
 KVCACHE_GATEWAY_URLS = [url.rstrip("/") for url in env_list("KVCACHE_GATEWAY_URLS")]
 

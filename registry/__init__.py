@@ -12,5 +12,6 @@ the system knows of them.
 * ``runtime``: this process's handles, built from the settings: the registry snapshot, the index,
   the tokenizers, the template sandbox.
 
-May import: ``kvindex``, ``tokenization`` and Django; nothing above it (``make lint``'s contracts).
+May import: ``kvindex``, ``tokenization``, ``stack`` (``stack.trust``: the trusted proxies) and
+Django; nothing above it (``make lint``'s contracts).
 """

@@ -7,6 +7,6 @@
   request schema, error table and metrics, and its pages in the OpenAPI schema (``openapi``);
 * ``wiring``: the fast path wired to this process's settings and handles (Django's side).
 
-May import: ``registry``, ``kvindex``, ``tokenization``; never ``ingest``, ``gateway`` or
-``dashboard`` (``make lint``'s contracts).
+May import: ``registry``, ``kvindex``, ``tokenization``, ``stack`` (``stack.trust``: the API keys);
+never ``ingest``, ``gateway`` or ``dashboard`` (``make lint``'s contracts).
 """

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import functools
-import ipaddress
 import logging
 import math
 import threading
@@ -32,6 +31,8 @@ from rest_framework.authentication import (
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
+
+from stack.trust import TrustedProxies
 
 logger = logging.getLogger(__name__)
 
@@ -71,30 +72,14 @@ def client_address(request: Request) -> str:
     """The address login failures are counted against: ``REMOTE_ADDR``; when that is one of
     ``KVCACHE_TRUSTED_PROXIES``, the right-most ``X-Forwarded-For`` address that is not (the
     left-most when every hop is trusted). The header is ignored when no proxy is trusted, since a
-    client can write anything in it."""
-    remote = request.META.get("REMOTE_ADDR", "")
-    proxies = _trusted_networks(tuple(settings.KVCACHE_TRUSTED_PROXIES))
-    if not proxies or not _is_trusted(remote, proxies):
-        return remote
-    forwarded = [hop.strip() for hop in request.META.get("HTTP_X_FORWARDED_FOR", "").split(",")]
-    forwarded = [hop for hop in forwarded if hop]
-    for hop in reversed(forwarded):
-        if not _is_trusted(hop, proxies):
-            return hop
-    return forwarded[0] if forwarded else remote
+    client can write anything in it (``stack.trust.TrustedProxies``)."""
+    proxies = _trusted_proxies(tuple(settings.KVCACHE_TRUSTED_PROXIES))
+    return proxies.client(request.META.get("REMOTE_ADDR", ""), request.META.get("HTTP_X_FORWARDED_FOR", ""))
 
 
 @functools.lru_cache(maxsize=8)
-def _trusted_networks(entries: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-    return tuple(ipaddress.ip_network(entry, strict=False) for entry in entries)
-
-
-def _is_trusted(address: str, proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return any(ip in network for network in proxies)
+def _trusted_proxies(entries: tuple[str, ...]) -> TrustedProxies:
+    return TrustedProxies(entries)
 
 
 class _LocalFailures:

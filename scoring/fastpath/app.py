@@ -26,7 +26,6 @@ snapshot and the template sandbox come in as arguments.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -52,13 +51,13 @@ from scoring.fastpath.schema import (
     decode,
 )
 from scoring.read_path import ChatRequest, KeyedRequest, ScoreResult
+from stack.trust import bearer_problem
 from tokenization.priority import lower_priority
 from tokenization.template_sandbox import TemplateSandbox
 from tokenization.tokenizers import TokenizerRegistry
 
 logger = logging.getLogger(__name__)
 
-BEARER_HINT = "this endpoint needs an API key: send the header 'Authorization: Bearer <key>'"
 JSON_HEADERS = [(b"content-type", b"application/json")]
 INLINE_MAX_TOKENS = 4096
 """``/api/v1/score`` token ids up to this many are keyed on the event loop (``_inline``)."""
@@ -407,18 +406,9 @@ def _lower_thread_priority() -> None:
 
 def _authenticate(header: bytes | None, keys: tuple[str, ...]) -> None:
     """Nothing when no keys are configured; else ``Authorization: Bearer <one of the keys>``."""
-    if not keys:
-        return
-    if not header:
-        raise RequestError(401, "unauthenticated", BEARER_HINT)
-    scheme, _, token = header.strip().partition(b" ")
-    token = token.strip()
-    if scheme.lower() != b"bearer" or not token:
-        raise RequestError(401, "unauthenticated", f"malformed Authorization header: {BEARER_HINT}")
-    # Compare against every key in constant time, so timing says nothing about which matched.
-    matched = [hmac.compare_digest(token, key.encode()) for key in keys]
-    if not any(matched):
-        raise RequestError(401, "unauthenticated", "the API key is not valid")
+    problem = bearer_problem(header, keys)
+    if problem is not None:
+        raise RequestError(401, "unauthenticated", problem)
 
 
 def _too_large(limit: int) -> RequestError:

@@ -92,6 +92,9 @@ class System:
         )
 
     def gateway(self, **settings) -> str:
+        """A gateway in front of the pods, telling matched blocks (``x-kvcache-matched-blocks``,
+        off by default: tests/security/test_gateway_matched_blocks.py) unless told otherwise."""
+        settings.setdefault("matched_blocks_header", True)
         app = GatewayApp(
             GatewayHandles(
                 config=ConfigSource(self.config, max_age=0.0),

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
 from gateway.policies import POLICIES
-from stack.asgi_server import add_server_arguments, run_server
+from stack.asgi_server import ConnectionLimits, add_server_arguments, run_server
 
 APPLICATION = "gateway.asgi:application"
 
@@ -32,4 +32,11 @@ class Command(BaseCommand):
         if policy:
             os.environ["KVCACHE_GATEWAY_POLICY_OVERRIDE"] = policy  # read by every worker's gateway.asgi
         metrics_dir = Path(settings.VAR_DIR) / f"metrics-{port}"
-        run_server(APPLICATION, port=port, metrics_dir=metrics_dir, say=self.stdout.write, **options)
+        run_server(
+            APPLICATION,
+            port=port,
+            metrics_dir=metrics_dir,
+            say=self.stdout.write,
+            limits=ConnectionLimits.from_settings(settings),
+            **options,
+        )

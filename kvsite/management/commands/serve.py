@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from stack.asgi_server import add_server_arguments, run_server
+from stack.asgi_server import ConnectionLimits, add_server_arguments, run_server
 
 APPLICATION = "kvsite.asgi:application"
 
@@ -33,6 +33,7 @@ class Command(BaseCommand):
             APPLICATION,
             port=port,
             ws="websockets-sansio",
+            limits=ConnectionLimits.from_settings(settings),
             metrics_dir=metrics_dir,
             say=self.stdout.write,
             **options,
