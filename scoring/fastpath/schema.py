@@ -225,6 +225,8 @@ def decode(body: bytes, kind: type[Struct], *, max_depth: int = MAX_JSON_DEPTH) 
         request = decoder.decode(body)
     except msgspec.ValidationError as error:
         raise _explain(_generic(body), kind, str(error)) from None
+    except UnicodeDecodeError as error:  # msgspec checks each string it decodes (not skipped ones)
+        raise _not_utf8(error) from None
     except (msgspec.DecodeError, RecursionError):
         # msgspec refuses some JSON the standard allows and a field should judge (a lone
         # surrogate escape), and says little about malformed input ("truncated"): the standard
@@ -246,7 +248,7 @@ def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
         value = msgspec.json.decode(body)
     except RecursionError:
         raise RequestError(400, "invalid_json", f"the body is nested deeper than {limit} levels") from None
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return  # not JSON: decoding says so
     if json_depth_exceeds(body, value, limit):
         raise RequestError(400, "invalid_json", f"the body is nested deeper than {limit} levels")
@@ -266,11 +268,18 @@ def json_depth_exceeds(raw: bytes, value: Any, limit: int) -> bool:
     return bool(level)
 
 
+def _not_utf8(error: UnicodeDecodeError) -> RequestError:
+    return RequestError(
+        400, "invalid_json", f"the body is not UTF-8 text ({error.reason}): send JSON in UTF-8"
+    )
+
+
 def _standard_parse(body: bytes) -> Any:
     try:
-        return json.loads(body)
+        # Decoded here, strictly: json.loads would take UTF-16 and UTF-32 bodies, and encoded surrogates.
+        return json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as error:
-        raise RequestError(400, "invalid_json", f"the body is not UTF-8 text: {error.reason}") from None
+        raise _not_utf8(error) from None
     except RecursionError:
         raise RequestError(
             400, "invalid_json", f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
@@ -282,6 +291,8 @@ def _standard_parse(body: bytes) -> Any:
 def _generic(body: bytes) -> Any:
     try:
         return msgspec.json.decode(body)
+    except UnicodeDecodeError as error:  # in a field the typed decoder skipped
+        raise _not_utf8(error) from None
     except (msgspec.DecodeError, RecursionError):
         return None
 
