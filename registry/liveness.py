@@ -69,7 +69,8 @@ POD_STATES = ("active", "idle", "stale", "down", "disabled")
 @dataclass(frozen=True, slots=True)
 class LivenessSettings:
     """Seconds, except ``concurrency`` (probes in flight at most). A round of N pods takes at most
-    ``ceil(N / concurrency) * timeout`` seconds, however many pods hang."""
+    ``ceil(N / concurrency) * timeout`` seconds for their ``/health``, however many pods hang, and
+    as long again when quiet pods' ``/metrics`` are read."""
 
     interval: float = 1.0
     timeout: float = 1.0
