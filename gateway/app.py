@@ -57,6 +57,7 @@ from gateway.policies import DEFAULT_ALPHA, Candidate, affinity_of, make_policy
 from gateway.upstream import Upstream, UpstreamError, UpstreamResponse
 from kvindex import IndexUnavailable, KVIndex
 from registry.config import ServiceConfig, owner_pod
+from registry.pod_metrics import MAX_METRICS_BYTES, READ_FAILURES, PodMetricsError
 from registry.snapshot import ConfigSource
 from scoring.read_path import (
     ChatRequest,
@@ -520,15 +521,23 @@ class GatewayApp:
             "data": [{"id": i, "object": "model", "created": 0, "owned_by": "kvcache-gateway"} for i in ids],
         }
 
-    async def _pod_metrics(self, address: str) -> bytes | None:
-        """A pod's ``/metrics`` text; None when it does not answer 200 in time (the load scraper's)."""
+    async def _pod_metrics(self, address: str) -> bytes:
+        """A pod's ``/metrics`` body (the load scraper's); :class:`PodMetricsError` when it does
+        not answer 200 in time, whole and at most ``MAX_METRICS_BYTES``."""
         try:
             status, body = await self._upstream.fetch(
-                address, b"/metrics", self._pod_authorization, timeout=SCRAPE_TIMEOUT_SECONDS
+                address,
+                b"/metrics",
+                self._pod_authorization,
+                timeout=SCRAPE_TIMEOUT_SECONDS,
+                max_bytes=MAX_METRICS_BYTES,
             )
-        except UpstreamError:
-            return None
-        return body if status == 200 else None
+        except UpstreamError as error:
+            reason = error.reason if error.reason in READ_FAILURES else "error"
+            raise PodMetricsError(reason, str(error)) from None
+        if status != 200:
+            raise PodMetricsError("status", f"HTTP {status}")
+        return body
 
     def _addresses(self) -> dict[str, str]:
         """Every live pod's address (the load scraper's targets)."""

@@ -10,6 +10,12 @@ Not all of that load costs the same: an engine runs up to ``max_num_seqs`` reque
 The tracker learns a pod's batch size as the most requests it was ever seen running at once
 (``slots``) and splits its load into ``running`` (up to that) and ``queued`` (beyond it). A pod
 never scraped has no slots known: all its load counts as queued.
+
+Scrapes are untrusted input, one pod at a time: each is bounded in time (``SCRAPE_TIMEOUT_SECONDS``
+for the whole answer) and size (``registry.pod_metrics``), and whatever one pod answers (nothing,
+a malformed count, an endless body) costs only that pod its reported load, never another pod's
+scrape nor the scraper: failures are counted by reason (``kvcache_gateway_scrape_failures_total``)
+and logged when a pod's reason changes.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 
-from registry.liveness import requests_by_state
+from gateway import metrics
+from registry.pod_metrics import PodMetricsError, requests_by_state
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,8 @@ class LoadTracker:
         self._reported: dict[str, tuple[float, int, float]] = {}  # pod -> (reported, ours then, at)
         self.slots: dict[str, float] = {}
         """Per pod, the most requests it was seen running at once (its batch size, as learned)."""
+        self.problems: dict[str, str] = {}
+        """Per pod whose last scrape failed, why (a reason of ``registry.pod_metrics.READ_FAILURES``)."""
 
     def start(self, pod: str) -> None:
         self.in_flight[pod] += 1
@@ -68,17 +77,42 @@ class LoadTracker:
             self.slots[pod] = running
 
     async def scrape_forever(
-        self, fetch: Callable[[str], Awaitable[bytes | None]], addresses: Callable[[], Mapping[str, str]]
+        self, fetch: Callable[[str], Awaitable[bytes]], addresses: Callable[[], Mapping[str, str]]
     ) -> None:
-        """Every ``SCRAPE_SECONDS``: every pod's ``/metrics`` (``fetch(address)``: its text, None when
-        it did not answer 200 within ``SCRAPE_TIMEOUT_SECONDS``), concurrently (until cancelled)."""
+        """Every ``SCRAPE_SECONDS``: every pod's ``/metrics`` (``fetch(address)``: its body, or
+        :class:`PodMetricsError` when it did not answer 200), concurrently (until cancelled). A
+        round takes at most ``SCRAPE_TIMEOUT_SECONDS``, whatever the pods do, and no pod's failure
+        ends it or the next."""
         while True:
+            started = time.monotonic()
             targets = dict(addresses())
             if targets:
                 await asyncio.gather(*(self._scrape(fetch, pod, address) for pod, address in targets.items()))
-            await asyncio.sleep(SCRAPE_SECONDS)
+            for pod in [p for p in self.problems if p not in targets]:
+                del self.problems[pod]
+            await asyncio.sleep(max(0.0, SCRAPE_SECONDS - (time.monotonic() - started)))
 
-    async def _scrape(self, fetch: Callable[[str], Awaitable[bytes | None]], pod: str, address: str) -> None:
-        text = await fetch(address)
-        if text is not None:  # else its load is ours alone, until the scrape goes stale
-            self.observe(pod, *requests_by_state(text))
+    async def _scrape(self, fetch: Callable[[str], Awaitable[bytes]], pod: str, address: str) -> None:
+        """One pod's scrape, observed, or its failure counted (never raises but when cancelled):
+        its load is then ours alone, until the last good scrape goes stale."""
+        metrics.SCRAPES.inc()
+        try:
+            async with asyncio.timeout(SCRAPE_TIMEOUT_SECONDS):
+                body = await fetch(address)
+            running, waiting = requests_by_state(body)
+        except PodMetricsError as error:
+            self._failed(pod, error)
+        except TimeoutError:
+            self._failed(pod, PodMetricsError("timeout", f"no whole answer within {SCRAPE_TIMEOUT_SECONDS}s"))
+        except Exception as error:  # a broken answer, an address that is not host:port: this pod's alone
+            self._failed(pod, PodMetricsError("error", f"{type(error).__name__}: {error}"))
+        else:
+            self.observe(pod, running, waiting)
+            if self.problems.pop(pod, None) is not None:
+                log.info("pod %s: its /metrics gives request counts again", pod)
+
+    def _failed(self, pod: str, error: PodMetricsError) -> None:
+        metrics.SCRAPE_FAILURES.labels(error.reason).inc()
+        if self.problems.get(pod) != error.reason:  # one line when a pod goes wrong, not one a second
+            log.warning("pod %s: no load from its /metrics (%s: %s)", pod, error.reason, error)
+            self.problems[pod] = error.reason

@@ -15,6 +15,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from registry.pod_metrics import READ_FAILURES
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -62,6 +64,20 @@ SCORE_FAILURES = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+SCRAPES = Counter(
+    "kvcache_gateway_scrapes",
+    "Scrapes of pods' /metrics for their load (each pod once a second).",
+    registry=REGISTRY,
+)
+SCRAPE_FAILURES = Counter(
+    "kvcache_gateway_scrape_failures",
+    "Scrapes of pods' /metrics that gave no load, by reason (connect, timeout, status, too_large, "
+    "malformed, error): the pod's load is then the gateway's own requests alone.",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in READ_FAILURES:
+    SCRAPE_FAILURES.labels(_reason)  # every reason shows, at 0 until it happens
 TTFT = Histogram(
     "kvcache_gateway_upstream_ttft_seconds",
     "From sending a request to the pod until its first response byte.",

@@ -41,8 +41,8 @@ MAX_FETCH_BYTES = 8 * 1024 * 1024
 
 
 class UpstreamError(Exception):
-    """A pod not reached, not answering in time, or answering malformed. ``reason``: ``connect``,
-    ``timeout``, ``malformed`` or ``closed``."""
+    """A pod not reached, not answering in time, or answering malformed or too much. ``reason``:
+    ``connect``, ``timeout``, ``malformed``, ``too_large`` or ``closed``."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -293,10 +293,16 @@ class Upstream:
             return UpstreamResponse(self, address, connection)
 
     async def fetch(
-        self, address: str, target: bytes, headers: list[tuple[bytes, bytes]], *, timeout: float
+        self,
+        address: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        *,
+        timeout: float,
+        max_bytes: int = MAX_FETCH_BYTES,
     ) -> tuple[int, bytes]:
         """``GET target``, its status and whole body within ``timeout`` seconds (at most
-        ``MAX_FETCH_BYTES``); raises UpstreamError."""
+        ``max_bytes``: else ``too_large``); raises UpstreamError."""
         response: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(timeout):
@@ -304,8 +310,8 @@ class Upstream:
                 parts, size = [], 0
                 while chunk := await response.next_chunk():
                     size += len(chunk)
-                    if size > MAX_FETCH_BYTES:
-                        raise UpstreamError("malformed", f"an answer over {MAX_FETCH_BYTES} bytes")
+                    if size > max_bytes:
+                        raise UpstreamError("too_large", f"an answer over {max_bytes} bytes")
                     parts.append(chunk)
         except TimeoutError:
             if response is not None:

@@ -83,13 +83,21 @@ def _loads(raw: bytes, depth_limit: int) -> Any:
     # wrong with the text or what the field has to refuse. orjson also refuses more than 1024
     # levels of nesting, on which the standard parser recurses until Python stops it.
     try:
-        return json.loads(raw)
+        # Decoded here, strictly: json.loads would take UTF-16 and UTF-32 bodies, and encoded
+        # surrogates; and no NaN or Infinity, which JSON does not have.
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except RecursionError:
         raise _too_deep(depth_limit) from None
     except UnicodeDecodeError as error:
-        raise exceptions.ParseError(f"the body is not UTF-8 text: {error.reason}") from None
+        raise exceptions.ParseError(
+            f"the body is not UTF-8 text ({error.reason}): send JSON in UTF-8"
+        ) from None
     except ValueError as error:
         raise exceptions.ParseError(f"the body is not valid JSON: {error}") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _too_deep(limit: int) -> exceptions.ParseError:

@@ -18,9 +18,16 @@ the rounds' probes, never inside the event loop. Per pod:
   most likely restarted with an empty cache; a vLLM restart publishes no ``AllBlocksCleared``;
 * **unknown** again: a pod that is no longer probed (disabled, deleted, address removed).
 
+Up pods that ingest finds quiet are asked for their ``/metrics`` too (``busy`` when they serve),
+each read bounded in time (``timeout``) and size (``registry.pod_metrics``): a pod whose answer is
+malformed, huge, slow or missing keeps its last verdict, and that failure is counted by reason
+and logged when a pod's reason changes. No pod's answer, nor any of the probes', can end a round
+early or hold back another pod's verdict.
+
 Changes of health go out through ``on_change`` (the Django shell writes them to the registry); when
-it raises, the same changes are offered again after the next round. ``stats`` counts probes,
-failures by reason and pods forgotten (``LivenessCollector`` exports them). No Django import.
+it raises, or a round fails part way, the changes made are offered again after the next round.
+``stats`` counts probes, failures by reason, ``/metrics`` reads and their failures by reason, and
+pods forgotten (``LivenessCollector`` exports them). No Django import.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 import time
 from collections import Counter
@@ -41,6 +47,7 @@ from prometheus_client.registry import Collector
 
 from kvindex import IndexUnavailable, KVIndex
 from registry.config import ServiceConfig
+from registry.pod_metrics import READ_FAILURES, PodMetricsError, RequestsReader
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +57,6 @@ HEALTHS = ("unknown", "up", "busy", "down")
 """What the registry's ``Pod.health`` may say: ``busy`` is up, with requests running or waiting
 (its ``/metrics``) while ingest has had no KV event from it for a while (``quiet``): it serves but
 its events do not arrive, so what the index holds of it goes stale."""
-
-_REQUESTS = re.compile(rb"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
-
-
-def requests_by_state(exposition: bytes) -> tuple[float, float]:
-    """Running and waiting requests in a vLLM ``/metrics`` text (each summed over label sets)."""
-    running = waiting = 0.0
-    for state, value in _REQUESTS.findall(exposition):
-        if state == b"running":
-            running += float(value)
-        else:
-            waiting += float(value)
-    return running, waiting
-
-
-def requests_in(exposition: bytes) -> float:
-    """Running plus waiting requests in a vLLM ``/metrics`` text (summed over label sets)."""
-    return sum(requests_by_state(exposition))
-
 
 FAILURE_REASONS = ("connect", "timeout", "status", "error")
 """Why a probe failed: the connection was refused or reset; no answer within the timeout; an answer
@@ -81,7 +69,8 @@ POD_STATES = ("active", "idle", "stale", "down", "disabled")
 @dataclass(frozen=True, slots=True)
 class LivenessSettings:
     """Seconds, except ``concurrency`` (probes in flight at most). A round of N pods takes at most
-    ``ceil(N / concurrency) * timeout`` seconds, however many pods hang."""
+    ``ceil(N / concurrency) * timeout`` seconds for their ``/health``, however many pods hang, and
+    as long again when quiet pods' ``/metrics`` are read."""
 
     interval: float = 1.0
     timeout: float = 1.0
@@ -111,6 +100,8 @@ class LivenessStats:
 
     probes: int = 0
     failures: Counter = field(default_factory=Counter)  # reason -> probes
+    metrics_reads: int = 0  # /metrics of quiet pods asked for
+    metrics_failures: Counter = field(default_factory=Counter)  # reason (READ_FAILURES) -> reads
     forgotten: int = 0  # pods whose blocks were cleared after forget_seconds down
     rounds: int = 0
     last_round_seconds: float = 0.0
@@ -125,6 +116,7 @@ class _Tracked:
     failing_since: float | None = None  # monotonic start of the first failed probe of this run
     down_since: float | None = None  # monotonic time it was found down
     forgotten: bool = False
+    metrics_problem: str | None = None  # why its last /metrics read failed (logged on a change)
 
 
 def probe_targets(config: ServiceConfig) -> dict[str, str]:
@@ -247,18 +239,22 @@ class LivenessProber:
         started = time.monotonic()
         targets = dict(self.targets())
         changes = self._retarget(targets)
-        self._probing = loop.create_task(self._probe_all(client, list(targets.values())))
-        results = loop.run_until_complete(self._probing)
-        with self._lock:
-            for pod, (probe_started, reason) in zip(targets, results, strict=True):
-                change = self._observe(self._tracked[pod], pod, probe_started, reason)
-                if change is not None:
-                    changes.append(change)
-        changes += self._judge_busy(loop, client, targets)
-        self._forget_due()
-        self.stats.rounds += 1
-        self.stats.last_round_seconds = time.monotonic() - started
-        self._report(changes)
+        try:
+            self._probing = loop.create_task(self._probe_all(client, list(targets.values())))
+            results = loop.run_until_complete(self._probing)
+            with self._lock:
+                for pod, (probe_started, reason) in zip(targets, results, strict=True):
+                    change = self._observe(self._tracked[pod], pod, probe_started, reason)
+                    if change is not None:
+                        changes.append(change)
+            changes += self._judge_busy(loop, client, targets)
+            self._forget_due()
+        finally:
+            # The verdicts made are the tracker's now: a round that fails after them (the quiet
+            # pods unreadable) must still report them, or the registry would never hear of them.
+            self.stats.rounds += 1
+            self.stats.last_round_seconds = time.monotonic() - started
+            self._report(changes)
         return changes
 
     async def _probe_all(
@@ -283,7 +279,7 @@ class LivenessProber:
                 reason = "timeout"
             except httpx.ConnectError:
                 reason = "connect"
-            except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
+            except Exception:  # a broken answer, an address that is not host:port: this pod's alone
                 reason = "error"
             if reason is not None:
                 self.stats.failures[reason] += 1
@@ -305,11 +301,13 @@ class LivenessProber:
         counts = (
             loop.run_until_complete(self._requests_all(client, [targets[p] for p in asked])) if asked else []
         )
-        busy = {pod for pod, n in zip(asked, counts, strict=True) if n}
-        unknown = {pod for pod, n in zip(asked, counts, strict=True) if n is None}
+        busy = {pod for pod, n in zip(asked, counts, strict=True) if isinstance(n, float) and n}
+        unknown = {pod for pod, n in zip(asked, counts, strict=True) if isinstance(n, PodMetricsError)}
         changes = []
         now = time.time()
         with self._lock:
+            for pod, outcome in zip(asked, counts, strict=True):
+                self._note_metrics(pod, outcome)
             for pod, health in alive.items():
                 if pod in unknown:
                     continue  # no answer: keep the last verdict
@@ -320,21 +318,62 @@ class LivenessProber:
                     changes.append(HealthChange(pod, wanted, now))
         return changes
 
-    async def _requests_all(self, client: httpx.AsyncClient, addresses: list[str]) -> list[float | None]:
+    async def _requests_all(
+        self, client: httpx.AsyncClient, addresses: list[str]
+    ) -> list[float | PodMetricsError]:
         gate = asyncio.Semaphore(self.settings.concurrency)
         return await asyncio.gather(*(self._requests(client, gate, address) for address in addresses))
 
     async def _requests(
         self, client: httpx.AsyncClient, gate: asyncio.Semaphore, address: str
-    ) -> float | None:
-        """Running + waiting requests the pod reports; None when it does not say."""
+    ) -> float | PodMetricsError:
+        """Running + waiting requests the pod reports, or why it did not say (never raises but
+        when cancelled): the body is read as it comes, up to ``MAX_METRICS_BYTES``, the whole
+        answer within ``timeout``."""
         async with gate:
+            self.stats.metrics_reads += 1
             try:
                 async with asyncio.timeout(self.settings.timeout):
-                    response = await client.get(f"http://{address}{METRICS_PATH}")
-            except (TimeoutError, httpx.HTTPError, OSError, ValueError):
-                return None
-            return requests_in(response.content) if response.is_success else None
+                    return await self._read_requests(client, address)
+            except PodMetricsError as error:
+                return error
+            except (TimeoutError, httpx.TimeoutException):
+                return PodMetricsError("timeout", f"no whole answer within {self.settings.timeout:g}s")
+            except httpx.ConnectError as error:
+                return PodMetricsError("connect", str(error) or type(error).__name__)
+            except Exception as error:  # whatever the pod sent or the address says: its failure alone
+                return PodMetricsError("error", f"{type(error).__name__}: {error}")
+
+    @staticmethod
+    async def _read_requests(client: httpx.AsyncClient, address: str) -> float:
+        # Raw bytes, identity asked for: a compressed body would be inflated before any bound.
+        headers = {"accept-encoding": "identity"}
+        async with client.stream("GET", f"http://{address}{METRICS_PATH}", headers=headers) as response:
+            if not response.is_success:
+                raise PodMetricsError("status", f"HTTP {response.status_code}")
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding != "identity":
+                raise PodMetricsError("malformed", f"a {encoding!r} body where identity was asked for")
+            reader = RequestsReader()
+            async with contextlib.aclosing(response.aiter_raw()) as chunks:  # closed when feed raises
+                async for chunk in chunks:
+                    reader.feed(chunk)
+            return sum(reader.counts())
+
+    def _note_metrics(self, pod: str, outcome: float | PodMetricsError) -> None:
+        """Count a failed ``/metrics`` read and log a pod's reason when it changes (requires the
+        lock): one line when a pod goes wrong, one when it reads again, not one a round."""
+        tracked = self._tracked.get(pod)
+        reason = outcome.reason if isinstance(outcome, PodMetricsError) else None
+        if reason is not None:
+            self.stats.metrics_failures[reason] += 1
+        if tracked is None or tracked.metrics_problem == reason:
+            return
+        if reason is not None:
+            log.warning("pod %s: no request counts from its /metrics (%s: %s)", pod, reason, outcome)
+        else:
+            log.info("pod %s: its /metrics gives request counts again", pod)
+        tracked.metrics_problem = reason
 
     def _retarget(self, targets: Mapping[str, str]) -> list[HealthChange]:
         """Track the pods of ``targets``; pods no longer among them go back to unknown."""
@@ -426,6 +465,19 @@ class LivenessCollector(Collector):
         for reason in FAILURE_REASONS:
             failures.add_metric([reason], stats.failures.get(reason, 0))
         yield failures
+        reads = CounterMetricFamily(
+            "kvcache_liveness_metrics_reads", "Reads of quiet pods' /metrics (are they serving?)."
+        )
+        reads.add_metric([], stats.metrics_reads)
+        yield reads
+        read_failures = CounterMetricFamily(
+            "kvcache_liveness_metrics_failures",
+            "Reads of pods' /metrics that gave no request counts, by reason (the pod keeps its health).",
+            labels=["reason"],
+        )
+        for reason in READ_FAILURES:
+            read_failures.add_metric([reason], stats.metrics_failures.get(reason, 0))
+        yield read_failures
         forgotten = CounterMetricFamily(
             "kvcache_liveness_pods_forgotten",
             "Times a pod down for KVCACHE_POD_FORGET_SECONDS had its blocks cleared from the index.",

@@ -15,11 +15,39 @@ from kvindex.kv_cache_groups import GROUP_RULES, MAX_KV_CACHE_GROUPS, MAX_SLIDIN
 from tokenization.chat_templates import BoundedEnvironment
 
 
+def validate_json_text(value: object) -> None:
+    """Every string of a JSON value, keys too, is text that a database stores and a JSON answer
+    carries: valid Unicode (no lone surrogate, which a JSON ``\\u`` escape can write: stored, it
+    would break every answer that lists it) and no NUL character (PostgreSQL's ``jsonb`` refuses
+    it). The JSON fields' validators call it first."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo += item.values()
+            texts = [key for key in item if isinstance(key, str)]
+        elif isinstance(item, list):
+            todo += item
+            continue
+        else:
+            texts = [item] if isinstance(item, str) else []
+        for text in texts:
+            if "\x00" in text:
+                raise ValidationError("must not hold a NUL character (\\u0000)")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValidationError(
+                    f"must be valid Unicode text: U+{ord(text[error.start]):04X} is a lone surrogate"
+                ) from None
+
+
 def default_tier_weights() -> dict[str, float]:
     return {"gpu": 1.0, "cpu": 0.8}
 
 
 def validate_tier_weights(value: object) -> None:
+    validate_json_text(value)
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
         for k, v in value.items()
@@ -30,6 +58,7 @@ def validate_tier_weights(value: object) -> None:
 
 
 def validate_string_list(value: object) -> None:
+    validate_json_text(value)
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise ValidationError('must be a list of non-empty strings, e.g. ["Alice"]')
 
@@ -49,6 +78,7 @@ def validate_pod_id(value: str) -> None:
 
 
 def validate_labels(value: object) -> None:
+    validate_json_text(value)
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise ValidationError('must be an object of name -> string, e.g. {"zone": "b"}')
 
@@ -91,7 +121,7 @@ def validate_kv_cache_groups(value: object) -> None:
         raise ValidationError(f"a model has at most {MAX_KV_CACHE_GROUPS} KV-cache groups, not {len(value)}")
     for i, group in enumerate(value):
         kind = group.get("kind")
-        if kind not in GROUP_RULES:
+        if not isinstance(kind, str) or kind not in GROUP_RULES:
             raise ValidationError(
                 f"group {i}: kind must be one of {', '.join(sorted(GROUP_RULES))}, not {kind!r}"
             )

@@ -225,17 +225,27 @@ def decode(body: bytes, kind: type[Struct], *, max_depth: int = MAX_JSON_DEPTH) 
         request = decoder.decode(body)
     except msgspec.ValidationError as error:
         raise _explain(_generic(body), kind, str(error)) from None
+    except UnicodeDecodeError as error:  # msgspec checks each string it decodes (not skipped ones)
+        raise _not_utf8(error) from None
     except (msgspec.DecodeError, RecursionError):
         # msgspec refuses some JSON the standard allows and a field should judge (a lone
         # surrogate escape), and says little about malformed input ("truncated"): the standard
         # parser either reads the body or says what is wrong with it and where.
-        data = _standard_parse(body)
-        try:
-            request = msgspec.convert(data, kind)
-        except msgspec.ValidationError as error:
-            raise _explain(data, kind, str(error)) from None
+        request = _convert(_standard_parse(body), kind)
     _check(request)
     return request
+
+
+def _convert(data: Any, kind: type[Struct]) -> Any:
+    # Text that is not Unicode is refused before it is converted: msgspec cannot even say that
+    # such a string is not the number a field wants (it raises UnicodeEncodeError).
+    unicode_problems = _lone_surrogates(data)
+    if unicode_problems:
+        raise invalid(unicode_problems)
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as error:
+        raise _explain(data, kind, str(error)) from None
 
 
 def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
@@ -246,7 +256,7 @@ def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
         value = msgspec.json.decode(body)
     except RecursionError:
         raise RequestError(400, "invalid_json", f"the body is nested deeper than {limit} levels") from None
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return  # not JSON: decoding says so
     if json_depth_exceeds(body, value, limit):
         raise RequestError(400, "invalid_json", f"the body is nested deeper than {limit} levels")
@@ -266,11 +276,19 @@ def json_depth_exceeds(raw: bytes, value: Any, limit: int) -> bool:
     return bool(level)
 
 
+def _not_utf8(error: UnicodeDecodeError) -> RequestError:
+    return RequestError(
+        400, "invalid_json", f"the body is not UTF-8 text ({error.reason}): send JSON in UTF-8"
+    )
+
+
 def _standard_parse(body: bytes) -> Any:
     try:
-        return json.loads(body)
+        # Decoded here, strictly: json.loads would take UTF-16 and UTF-32 bodies, and encoded
+        # surrogates; and no NaN or Infinity, which JSON does not have.
+        return json.loads(body.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError as error:
-        raise RequestError(400, "invalid_json", f"the body is not UTF-8 text: {error.reason}") from None
+        raise _not_utf8(error) from None
     except RecursionError:
         raise RequestError(
             400, "invalid_json", f"the body is nested deeper than {MAX_JSON_DEPTH} levels"
@@ -280,10 +298,21 @@ def _standard_parse(body: bytes) -> Any:
 
 
 def _generic(body: bytes) -> Any:
+    """The body as plain values, to explain a validation error (``None`` when it is no JSON)."""
     try:
         return msgspec.json.decode(body)
+    except UnicodeDecodeError as error:  # in a field the typed decoder skipped
+        raise _not_utf8(error) from None
     except (msgspec.DecodeError, RecursionError):
+        pass
+    try:  # what msgspec refuses and the standard parser reads (a lone surrogate escape)
+        data = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         return None
+    unicode_problems = _lone_surrogates(data)
+    if unicode_problems:
+        raise invalid(unicode_problems)
+    return data
 
 
 _TYPE_NAMES = {
@@ -327,24 +356,15 @@ def _plain(problem: str) -> str:
 
 
 def _check(request: Struct) -> None:
-    """What the types cannot say: token ids within uint64, valid Unicode, message shapes, and
-    ``/api/v1/score``'s exactly-one-input rule. (Whether ``mm_features`` lie within the prompt's
-    tokens is known once it is tokenized: the read path says, ``read_path.key_token_ids``.)"""
+    """What the types cannot say: token ids within uint64, message shapes, and ``/api/v1/score``'s
+    exactly-one-input rule. (Valid Unicode is :func:`_lone_surrogates`'s, before conversion;
+    whether ``mm_features`` lie within the prompt's tokens is known once it is tokenized: the read
+    path says, ``read_path.key_token_ids``.)"""
     fields: dict[str, list[str]] = {}
     token_ids = getattr(request, "token_ids", UNSET)
     if token_ids is not UNSET and max(token_ids) > U64_MAX:
         index = next(i for i, t in enumerate(token_ids) if t > U64_MAX)
         fields["token_ids"] = [f"token_ids[{index}] = {token_ids[index]} is outside 0..2**64-1"]
-    for name in ("model", "prompt", "chat_template", "lora_name", "cache_salt"):
-        value = getattr(request, name, None)
-        if isinstance(value, str):
-            problem = _unicode_problem(value)
-            if problem:
-                fields.setdefault(name, []).append(problem)
-    for index, feature in enumerate(getattr(request, "mm_features", None) or ()):
-        problem = _unicode_problem(feature.identifier)
-        if problem:
-            fields.setdefault("mm_features", []).append(f"mm_features[{index}].identifier {problem}")
     messages = getattr(request, "messages", UNSET)
     if messages is not UNSET:
         for index, message in enumerate(messages):
@@ -374,6 +394,40 @@ def _check(request: Struct) -> None:
                 fields.setdefault(name, []).append(f"only applies to messages, not to {given[0]}")
     if fields:
         raise invalid(fields)
+
+
+def _lone_surrogates(data: Any) -> dict[str, list[str]]:
+    """Per field of ``data`` (a body as the standard parser reads it), the first place where its
+    text is not valid Unicode: a lone surrogate, which a JSON ``\\u`` escape can write but no UTF-8
+    text holds (nor can it be answered back). Every string is looked at, keys too: the msgspec
+    decoder refuses such a body, so this costs only bodies that take the standard parser."""
+    if not isinstance(data, dict):
+        return {}
+    fields: dict[str, list[str]] = {}
+    for name, value in data.items():
+        if _unicode_problem(name):
+            fields.setdefault("non_field_errors", []).append(f"a field name {_unicode_problem(name)}")
+            continue
+        todo: list[tuple[str, Any]] = [(name, value)]
+        while todo:
+            path, item = todo.pop()
+            where = "" if path == name else f"at {path}: "
+            if isinstance(item, str) and _unicode_problem(item):
+                fields[name] = [f"{where}{_unicode_problem(item)}"]
+                break
+            if isinstance(item, dict):
+                bad_key = next((key for key in item if _unicode_problem(key)), None)
+                if bad_key is not None:
+                    fields[name] = [f"{where}a key {_unicode_problem(bad_key)}"]
+                    break
+                todo += [(f"{path}.{key}", child) for key, child in reversed(item.items())]
+            elif isinstance(item, list):
+                todo += [(f"{path}[{i}]", child) for i, child in reversed(list(enumerate(item)))]
+    return fields
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _unicode_problem(text: str) -> str | None:

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.load import LoadTracker
 from gateway.policies import RUNNING_WEIGHT, Candidate, affinity_of, home_score, make_policy
-from registry.liveness import requests_by_state, requests_in
+from registry.pod_metrics import requests_by_state, requests_in
 
 METRICS = b"""# HELP vllm:num_requests_running Running.
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
