@@ -65,6 +65,15 @@ from kvindex.keys import (
 from kvindex.kv_cache_groups import GROUP_RULES, group_digest, group_holder
 from registry.config import DP_RANK_SEPARATOR, ServiceConfig
 
+CACHED_BLOCKS_PER_WORKER = 65_536
+"""What one worker keeps of its engines' recent blocks, over all of them (parents and re-chunked
+pages, ~250 bytes each: ~16 MiB). Past it, the engines heard from least recently are forgotten: a
+block chained from one of theirs is then looked up in the index (a round trip, never a wrong key).
+So however many pods send, and whatever they send, what a worker keeps stays bounded."""
+
+BUDGET_CHECK_SECONDS = 1.0
+"""How often a worker counts what it keeps against ``CACHED_BLOCKS_PER_WORKER``."""
+
 PARENT_CACHE_SIZE = 8192
 """Engine hash -> digest entries kept per pod, so a parent is usually found without a round trip."""
 
@@ -192,6 +201,8 @@ class EventApplier:
         self._batch_times: list[float] = []
         self._staged_blocks = 0  # blocks staged since the last flush (stage_steps' budget)
         self._seed: str | None = None
+        self.cache_budget = CACHED_BLOCKS_PER_WORKER
+        self._budget_checked_at = time.monotonic()
 
     def apply(
         self, *, pod: str, model: str, seq: int, batch: EventBatch, received_at: float | None = None
@@ -324,13 +335,13 @@ class EventApplier:
     def _state(self, model: str, holder: str, group: int, block_size: int) -> tuple[str, _PodState]:
         """The holder a KV-cache group of ``holder`` is indexed as, and what is remembered of it."""
         indexed_as = group_holder(holder, group)
-        state = self._pods.get((indexed_as, model))
+        state = self._pods.pop((indexed_as, model), None)  # put back last: most recently used
         if state is None or state.block_size != block_size:
             # Digests and re-chunked pages were cut at the model's block size: a new one starts over.
             state = _PodState(parents=OrderedDict(), block_size=block_size, group=group, base=holder)
-            self._pods[(indexed_as, model)] = state
             if group:
                 self._groups.setdefault((holder, model), set()).add(group)
+        self._pods[(indexed_as, model)] = state
         return indexed_as, state
 
     def flush(self) -> None:
@@ -348,6 +359,25 @@ class EventApplier:
             for ts in self._batch_times:
                 self.stats.observe_visible(now - ts)
             self._batch_times = []
+        if time.monotonic() - self._budget_checked_at >= BUDGET_CHECK_SECONDS:
+            self.keep_budget()
+
+    def keep_budget(self) -> int:
+        """Forget the engines heard from least recently until what is kept of their blocks is
+        under ``cache_budget`` (an engine's own state counts as two blocks); returns how many
+        engine states went."""
+        self._budget_checked_at = time.monotonic()
+        kept = sum(len(s.parents) + len(s.pages) + 2 for s in self._pods.values())
+        if kept <= self.cache_budget:
+            return 0
+        forgotten = 0
+        for key in list(self._pods):  # least recently used first
+            state = self._pods.pop(key)
+            kept -= len(state.parents) + len(state.pages) + 2
+            forgotten += 1
+            if kept <= self.cache_budget * 3 // 4:  # room for a while, not a check every second
+                break
+        return forgotten
 
     def discard_staged(self, mark: int) -> None:
         """Drop updates staged after ``mark`` (``pending``): a message whose staging failed half

@@ -85,6 +85,8 @@ REASONS: Final[Mapping[str, str]] = MappingProxyType(
         "unregistered pods it may (none of them quiet long enough to give its place)",
         "unregistered_pod": "a message of a pod not registered for that model, refused "
         "(KVCACHE_INGEST_REGISTERED_PODS_ONLY)",
+        "too_many_models": "a message of a pod for one more model than a pod may send for",
+        "too_many_ranks": "a batch of one more data-parallel rank than a pod may have",
     }
 )
 """Every ``DecodeError.reason``, with what it means. The keys are metric label values."""

@@ -410,6 +410,5 @@ class IngestPipeline:
 
     def _forget_workers(self, pod: str) -> None:
         for handler in self.handlers:
-            handler.applier.forget(pod)
-            handler.keeper.forget(pod)
+            handler.forget(pod)
         self.pool.forget_pod(pod)

@@ -326,7 +326,9 @@ class Admission:
     the one heard from least recently gives its place to a new pod if it has been quiet for
     ``idle_seconds`` (and is forgotten: ``Receiver.on_evict``), else the new pod's message is
     refused (``too_many_pods``). So a flood of made-up pod names can neither take a registered
-    pod's place nor keep a real unregistered pod out for longer than the flood goes on.
+    pod's place nor keep a real unregistered pod out for longer than the flood goes on. Any pod
+    sends for at most ``MAX_MODELS_PER_POD`` models (``too_many_models``): what ingest keeps of a
+    pod is per model.
     ``registered_only``: a message is taken only from a pod registered for that model
     (``unregistered_pod`` otherwise): the registry is the allow-list."""
 
@@ -335,6 +337,15 @@ class Admission:
 
 
 DEFAULT_ADMISSION = Admission()
+
+MAX_RANKS_PER_POD = 64
+"""Data-parallel ranks one pod may publish for (the ranks of one engine: a node's GPUs at most,
+usually; a batch of one more is skipped, ``too_many_ranks``)."""
+
+MAX_MODELS_PER_POD = 4
+"""An engine serves one model (its topic names it; LoRA adapters are not models there): four leave
+room for a pod renamed in place. What ingest keeps of a pod is per model, so a pod naming a new
+model in every message would grow it without end."""
 
 
 class Receiver:
@@ -368,12 +379,18 @@ class Receiver:
         self.on_evict = on_evict
         """Called, on the receiving thread, with an unregistered pod that gave its place."""
         self.context = context or zmq.Context.instance()
+        # A frame over 16 times the payload limit is never buffered (ZeroMQ drops the connection
+        # that sends it, which reconnects; uncounted): one frame of gigabytes would otherwise be
+        # held whole before decoding could count it too large. Below that a payload over the limit
+        # is received, counted (too_large) and skipped.
+        self._max_frame_bytes = 16 * limits.max_message_bytes
         self.sockets: list[zmq.Socket] = []
         self.bound: list[str] = []
         for endpoint, do_bind in [(e, True) for e in bind] + [(e, False) for e in connect]:
             sock = self.context.socket(zmq.SUB)
             self.sockets.append(sock)
             sock.setsockopt(zmq.RCVHWM, rcvhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
             try:
@@ -387,7 +404,7 @@ class Receiver:
                     opened.close(0)
                 raise
         self._stop = threading.Event()
-        self._registered: dict[str, str] = {}  # admitted registered pods -> their model
+        self._models: dict[str, tuple[str, ...]] = {}  # admitted pods -> the models they send for
         # Admitted unregistered pods -> when they last sent (monotonic), least recent first.
         self._unregistered: OrderedDict[str, float] = OrderedDict()
         self._rcvhwm = rcvhwm
@@ -422,6 +439,7 @@ class Receiver:
             self._managed = self.context.socket(zmq.SUB)
             self.sockets.append(self._managed)
             self._managed.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            self._managed.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
             self._managed.setsockopt(zmq.LINGER, 0)
             self._managed.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
             poller.register(self._managed, zmq.POLLIN)
@@ -443,7 +461,7 @@ class Receiver:
 
     def forget_pod(self, pod: str) -> None:
         """``pod`` is gone (deleted from the registry): it no longer holds a place."""
-        self._registered.pop(pod, None)
+        self._models.pop(pod, None)
         self._unregistered.pop(pod, None)
 
     def run(self) -> None:
@@ -496,29 +514,27 @@ class Receiver:
 
     def _admit(self, pod: str, model: str) -> None:
         """Take a message of ``pod`` for ``model``, or raise ``DecodeError`` (see ``Admission``).
-        The registry is read only for a pod not admitted yet, or at the limit."""
-        registered_model = self._registered.get(pod)
-        if registered_model is not None and (registered_model == model or not self.admission.registered_only):
-            return
-        if pod in self._unregistered:
-            self._unregistered[pod] = time.monotonic()
-            self._unregistered.move_to_end(pod)
+        The registry is read only for a pod or a model not admitted yet, or at the limit."""
+        models = self._models.get(pod)
+        if models is not None and model in models:  # the common case: a pod and model admitted
+            if pod in self._unregistered:
+                self._unregistered[pod] = time.monotonic()
+                self._unregistered.move_to_end(pod)
             return
         config = self.config()
-        if pod in config.registered_pods:
-            registered_model = config.pods.get(pod, model)
-            if self.admission.registered_only and registered_model != model:
-                raise DecodeError(
-                    "unregistered_pod",
-                    f"{pod[:80]!r} is registered for {registered_model[:80]!r}, not {model[:80]!r}",
-                )
-            self._registered[pod] = registered_model
+        registered = pod in config.registered_pods
+        if self.admission.registered_only and not (registered and config.pods.get(pod) == model):
+            raise DecodeError("unregistered_pod", f"{pod[:80]!r} is not registered for {model[:80]!r}")
+        if models is not None:
+            if len(models) >= MAX_MODELS_PER_POD:
+                raise DecodeError("too_many_models", f"{pod[:80]!r} already sends for {len(models)} models")
+            self._models[pod] = (*models, model)
             return
-        if self.admission.registered_only:
-            raise DecodeError("unregistered_pod", f"{pod[:80]!r} is not in the pod registry")
-        if len(self._unregistered) >= self.limits.max_pods:
-            self._make_room(config)
-        self._unregistered[pod] = time.monotonic()
+        if not registered:
+            if len(self._unregistered) >= self.limits.max_pods:
+                self._make_room(config)
+            self._unregistered[pod] = time.monotonic()
+        self._models[pod] = (model,)
 
     def _make_room(self, config: ServiceConfig) -> None:
         """At the limit: the least recent unregistered pod moves out of the count if it has been
@@ -527,13 +543,13 @@ class Receiver:
         oldest, last = next(iter(self._unregistered.items()))
         if oldest in config.registered_pods:
             del self._unregistered[oldest]
-            self._registered[oldest] = config.pods.get(oldest, "")
             return
         if time.monotonic() - last < self.admission.idle_seconds:
             raise DecodeError(
                 "too_many_pods", f"already {len(self._unregistered)} unregistered pods, none quiet for long"
             )
         del self._unregistered[oldest]
+        self._models.pop(oldest, None)
         self.stats.pods_evicted += 1
         self.on_evict(oldest)
 
@@ -558,6 +574,7 @@ class DecodingHandler:
         self.limits = limits
         self.keeper = StreamKeeper(applier, stats, limits=limits, replay=replay, progress=progress)
         self._after_flush: list[Callable[[], None]] = []
+        self._ranks: dict[str, set[int]] = {}  # the data-parallel ranks of each pod of this worker
 
     def steps(self, item: Received | CatchUp) -> Iterator[None]:
         """Stage ``item``, a slice at a time: the worker flushes where this yields, and lets
@@ -585,6 +602,12 @@ class DecodingHandler:
                 self.keeper.skipped(pod=item.pod, model=item.model, seq=item.seq)
                 MALFORMED_LOG.warning(e.reason, "skipped an undecodable batch from %.80s: %s", item.pod, e)
                 return
+            if not self._rank_admitted(item.pod, batch.data_parallel_rank or 0):
+                stream = self.stats.stream(item.pod, 0, item.model)
+                stream.batches += 1
+                stream.decode_errors["too_many_ranks"] += 1
+                MALFORMED_LOG.warning("too_many_ranks", "skipped a batch of %.80s: too many ranks", item.pod)
+                return
             for _ in self.keeper.accept(
                 pod=item.pod, model=item.model, seq=item.seq, batch=batch, received_at=item.received_at
             ):
@@ -593,6 +616,24 @@ class DecodingHandler:
         except Exception:
             self.applier.discard_staged(mark)
             raise
+
+    def _rank_admitted(self, pod: str, rank: int) -> bool:
+        """Whether ``pod`` may have data-parallel rank ``rank``: at most ``MAX_RANKS_PER_POD`` of
+        them (every rank is a stream of its own, with state of its own)."""
+        ranks = self._ranks.get(pod)
+        if ranks is None:
+            ranks = self._ranks[pod] = set()
+        if rank not in ranks:
+            if len(ranks) >= MAX_RANKS_PER_POD:
+                return False
+            ranks.add(rank)
+        return True
+
+    def forget(self, pod: str) -> None:
+        """Drop what this worker remembers of ``pod`` (it was disabled, deleted or evicted)."""
+        self.applier.forget(pod)
+        self.keeper.forget(pod)
+        self._ranks.pop(pod, None)
 
     def adopt(self, item: Adopt) -> None:
         """Forget what the keeper remembers of the engine and start it over from ``recorded``."""

@@ -708,8 +708,7 @@ class _Worker:
             elif kind == _FORGET:
                 number, pod = msgpack.unpackb(body)
                 for handler in self.handlers:
-                    handler.applier.forget(pod)
-                    handler.keeper.forget(pod)
+                    handler.forget(pod)
                 self.stats.forget_pod(pod)
                 self._forgets = number
             elif kind == _MARK:

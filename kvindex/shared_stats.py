@@ -158,8 +158,8 @@ def read_history(client: redis.Redis, level: HistoryLevel, *, after: float) -> l
 DECODE_ERROR_REASONS = (
     # Decoding (``ingest.events.REASONS``), then what the applier refuses in a decoded event.
     *("frames", "topic", "seq", "msgpack", "batch", "event", "unknown_tag", "field", "too_large"),
-    *("too_many_events", "too_many_blocks", "too_many_pods", "unregistered_pod", "token_count"),
-    "rechunk_extras",
+    *("too_many_events", "too_many_blocks", "too_many_pods", "unregistered_pod", "too_many_models"),
+    *("too_many_ranks", "token_count", "rechunk_extras"),
 )
 """Every reason ``kvcache_ingest_decode_errors_total`` counts. Each is exported from 0, for every
 stream and for input no pod can be named for: a counter that first appeared at its first error

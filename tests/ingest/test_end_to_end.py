@@ -16,6 +16,7 @@ import msgpack
 import pytest
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeLimits, encode_message
+from ingest.pool import MAX_MODELS_PER_POD, MAX_RANKS_PER_POD
 from ingest.ratelimit import RateLimitedLog
 from kvindex.keys import block_keys
 from registry.config import ServiceConfig
@@ -340,3 +341,31 @@ def test_the_rate_limited_log_says_how_many_it_left_out(caplog):
         "bad topic",
         "bad payload again (and 99 more msgpack in the last 0.05s, not logged)",
     ]
+
+
+def test_a_pod_sends_for_a_few_models_and_ranks_at_most(harness, base_capture):
+    """What ingest keeps of a pod is per model and per data-parallel rank, so a pod that names a
+    new one in every message would grow it without end: past ``MAX_MODELS_PER_POD`` models and
+    ``MAX_RANKS_PER_POD`` ranks its messages are counted and skipped."""
+    first = harness.publisher("pod-a", model="model-0")
+    others = [
+        Publisher(harness.context, harness.endpoint, pod="pod-a", model=f"model-{m}")
+        for m in range(1, MAX_MODELS_PER_POD + 1)
+    ]
+    harness.publishers += others
+
+    def refused() -> bool:
+        for other in others:  # until their subscriptions are through
+            other.send([])
+        time.sleep(0.01)
+        return harness.stats.unattributed_errors["too_many_models"] > 0
+
+    wait_until(refused, what="too_many_models")
+    assert {s.model for s in harness.stats.streams() if s.pod == "pod-a"} <= {
+        f"model-{m}" for m in range(MAX_MODELS_PER_POD)
+    }
+    for rank in range(1, MAX_RANKS_PER_POD + 1):
+        first.send([stored(base_capture, last=1)], rank=rank)
+    wait_until(lambda: harness.stream("pod-a").decode_errors["too_many_ranks"] == 1, what="too_many_ranks")
+    harness.pipeline.pool.join_idle(5)
+    assert {s.rank for s in harness.stats.streams() if s.pod == "pod-a"} == set(range(MAX_RANKS_PER_POD))

@@ -447,3 +447,22 @@ def test_sglang_bytes_decode_as_its_events(engine):
             BlockRemoved(block_hashes=(minus_5,)),
         ),
     )
+
+
+def test_past_its_budget_a_worker_forgets_the_engines_heard_from_least_recently(index):
+    """What a worker keeps of its engines' blocks is bounded over all of them: past the budget the
+    least recent engines' parents go, and a block chained from one of them later is keyed from the
+    index instead (the same key)."""
+    engines = {pod: Engine(index, pod=pod) for pod in ("pod-a", "pod-b", "pod-c")}
+    applier = engines["pod-a"].applier
+    for engine in engines.values():
+        engine.applier = applier  # one worker for the three pods
+    hashes = vllm_hashes(PROMPT)
+    for engine in engines.values():
+        engine.send(store(PROMPT[: 6 * BLOCK], hashes[:6]))
+    applier.cache_budget = 12  # two engines' six parents and states, not three
+    assert applier.keep_budget() >= 1
+    engines["pod-a"].send(store(PROMPT[6 * BLOCK : 12 * BLOCK], hashes[6:12], parent=hashes[5]))
+
+    assert engines["pod-a"].held(block_keys(PROMPT, seed=SEED)) == 12  # chained through the index
+    assert engines["pod-a"].stream.orphaned_blocks == 0

@@ -123,7 +123,7 @@ class Stack:
             time.sleep(0.2)
             return self.scores(tokens).get(pod) == len(tokens) // BLOCK
 
-        wait_until(scored, timeout=20, what=f"{pod} scored")
+        wait_until(scored, timeout=60, what=f"{pod} scored")
 
     def scores(self, tokens: tuple[int, ...], config: ServiceConfig | None = None) -> dict[str, int]:
         """Matched blocks per pod, as the read path scores ``tokens`` (the registry's defaults)."""
