@@ -32,6 +32,8 @@ from ingest.stats import IngestStats
 from kvindex import open_index
 from registry.config import ServiceConfig
 from scoring.read_path import score_token_ids
+from simulator.management.commands.simulate import Command as Simulate
+from simulator.management.commands.simulate import fleet_config
 from simulator.publisher import EventPublisher
 from tests.servers import free_port, service_env, wait_until
 
@@ -541,3 +543,30 @@ def test_a_curve_setting_ingest_cannot_use_stops_the_process_at_once(tmp_path, r
     assert (
         f"KVCACHE_INGEST_CURVE_SECRET_KEY_FILE: {tmp_path / 'ingest.key_secret'} is not a file" in done.stderr
     )
+
+
+def test_curve_keys_writes_a_pair_and_never_overwrites_it(tmp_path):
+    out = tmp_path / "keys"
+    call_command("curve_keys", out=str(out), name="engine-0", stdout=io.StringIO())
+    pair = load_key_pair(out / "engine-0.key_secret")
+    assert load_public_key(out / "engine-0.key") == pair.public
+    assert (out / "engine-0.key_secret").stat().st_mode & 0o077 == 0  # the owner's alone
+    with pytest.raises(CommandError, match="exists: a key is never overwritten"):
+        call_command("curve_keys", out=str(out), name="engine-0", stdout=io.StringIO())
+    assert load_key_pair(out / "engine-0.key_secret") == pair
+
+
+def test_simulate_publishes_over_curve_only_knowing_ingest_s_public_key(keys):
+    """A pod's PUB that connects to ingest needs ingest's public key; one that binds does not."""
+
+    def config(*argv: str):
+        options = vars(Simulate().create_parser("manage.py", "simulate").parse_args(list(argv)))
+        return fleet_config(options, registry=ServiceConfig())
+
+    secret = ("--curve-secret-key-file", str(keys.secret("engine")))
+    with pytest.raises(ValueError, match="needs ingest's public key"):
+        config("--events-endpoint", "tcp://127.0.0.1:5557", *secret)
+    assert config("--events-endpoint", "tcp://*:5557", *secret).publish.curve == keys.curve("engine")
+    connected = config(*secret, "--curve-server-key-file", str(keys.public("ingest"))).publish.curve
+    assert connected == keys.curve("engine", server="ingest")
+    assert config().publish.curve is None
