@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 
 from ingest.applier import EventApplier, holder_id
+from ingest.curve import EventCurve
 from ingest.events import DEFAULT_LIMITS, DecodeLimits
 from ingest.pool import DEFAULT_ADMISSION, Admission, Adopt, DecodingHandler, Receiver, ShardPool
 from ingest.processes import ProcessShardPool, ReplaySettings, refuse_memory_index
@@ -71,10 +72,13 @@ class IngestPipeline:
         processes: int = 1,
         index_factory: Callable[[], KVIndex] | None = None,
         replica: bool = False,
+        curve: EventCurve | None = None,
     ) -> None:
         """``processes`` > 1 runs ``workers`` threads in each of that many worker processes;
         then ``index_factory`` (picklable: a worker process calls it to open its own handle on
-        ``index``) is required, and an in-memory ``index`` is refused (``ValueError``)."""
+        ``index``) is required, and an in-memory ``index`` is refused (``ValueError``).
+        ``curve``: the SUB sockets speak CURVE (``ingest.curve``); with ``bind``, a ZAP handler
+        on ``context`` admits the allowed keys from before the sockets bind until ``stop``."""
         if processes > 1:
             refuse_memory_index(index)
             if index_factory is None:
@@ -129,19 +133,26 @@ class IngestPipeline:
             self.pool = ShardPool(
                 workers=workers, handler_factory=handler_factory, queue_size=queue_size, stats=self.stats
             )
-        self.receiver = Receiver(
-            pool=self.pool,
-            stats=self.stats,
-            bind=bind,
-            connect=connect,
-            topic=topic,
-            context=context,
-            limits=limits,
-            managed_connect=replica,
-            config=config,
-            admission=admission,
-            on_evict=self._evicted,
-        )
+        context = context or zmq.Context.instance()
+        self._authenticator = curve.start_authenticator(context) if curve is not None and bind else None
+        try:
+            self.receiver = Receiver(
+                pool=self.pool,
+                stats=self.stats,
+                bind=bind,
+                connect=connect,
+                topic=topic,
+                context=context,
+                limits=limits,
+                managed_connect=replica,
+                config=config,
+                admission=admission,
+                on_evict=self._evicted,
+                curve=curve,
+            )
+        except BaseException:
+            self._stop_authenticator()
+            raise
         self._thread = threading.Thread(target=self.receiver.run, name="ingest-receiver", daemon=True)
 
     @property
@@ -314,9 +325,15 @@ class IngestPipeline:
         self.receiver.stop()
         self._stopped.set()
         self._thread.join(5)
+        self._stop_authenticator()  # after the receiver closed the sockets it answered for
         if self._fetchers is not None:
             self._fetchers.shutdown(wait=False, cancel_futures=True)
         self.pool.drain_and_stop(drain_timeout)
+
+    def _stop_authenticator(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
 
     def _freeze_survivors(self) -> None:
         while not self._stopped.wait(self._gc_freeze_seconds):

@@ -21,6 +21,7 @@ from typing import Protocol
 import zmq
 
 from ingest.applier import EventApplier, holder_id
+from ingest.curve import EventCurve
 from ingest.events import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode_batch, parse_seq, parse_topic
 from ingest.ratelimit import RateLimitedLog
 from ingest.replay import ReplayClient
@@ -350,7 +351,9 @@ model in every message would grow it without end."""
 
 class Receiver:
     """SUB sockets (bound and/or connected) read by one thread, feeding a ``ShardPool``, taking
-    the messages of the pods ``admission`` admits (``config`` says which pods are registered)."""
+    the messages of the pods ``admission`` admits (``config`` says which pods are registered).
+    ``curve``: every socket speaks CURVE (``ingest.curve``), as the server where it binds (the
+    ZAP handler of ``context`` must be started first) and as the client where it connects."""
 
     def __init__(
         self,
@@ -367,6 +370,7 @@ class Receiver:
         config: Callable[[], ServiceConfig] = ServiceConfig,
         admission: Admission = DEFAULT_ADMISSION,
         on_evict: Callable[[str], None] = lambda pod: None,
+        curve: EventCurve | None = None,
     ) -> None:
         if not bind and not connect and not managed_connect:
             raise ValueError("give at least one endpoint to bind or connect")
@@ -379,6 +383,7 @@ class Receiver:
         self.on_evict = on_evict
         """Called, on the receiving thread, with an unregistered pod that gave its place."""
         self.context = context or zmq.Context.instance()
+        self.curve = curve
         # A frame over 16 times the payload limit is never buffered (ZeroMQ drops the connection
         # that sends it, which reconnects; uncounted): one frame of gigabytes would otherwise be
         # held whole before decoding could count it too large. Below that a payload over the limit
@@ -394,6 +399,8 @@ class Receiver:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
             try:
+                if curve is not None:
+                    curve.secure(sock, server=do_bind)
                 if do_bind:
                     sock.bind(endpoint)
                     self.bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -442,6 +449,8 @@ class Receiver:
             self._managed.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
             self._managed.setsockopt(zmq.LINGER, 0)
             self._managed.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+            if self.curve is not None:
+                self.curve.secure(self._managed, server=False)
             poller.register(self._managed, zmq.POLLIN)
         connected = set(self.connected)
         for endpoint in sorted(connected - wanted):

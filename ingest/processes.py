@@ -70,6 +70,7 @@ import msgpack
 import zmq
 
 from ingest.applier import EventApplier
+from ingest.curve import EventCurve
 from ingest.events import DEFAULT_LIMITS, DecodeLimits
 from ingest.pool import MAX_MESSAGES_PER_FLUSH, Adopt, DecodingHandler, Received, ShardPool, fnv1a_32
 from ingest.ratelimit import RateLimitedLog
@@ -124,10 +125,11 @@ class ReplaySettings:
     timeout: float
     max_batches: int
     max_bytes: int
+    curve: EventCurve | None = None
 
     @classmethod
     def of(cls, client: ReplayClient) -> ReplaySettings:
-        return cls(client.port_offset, client.timeout, client.max_batches, client.max_bytes)
+        return cls(client.port_offset, client.timeout, client.max_batches, client.max_bytes, client.curve)
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,7 +612,8 @@ class _Worker:
             replay = ReplayClient(
                 config=lambda: self.config,
                 context=self.context,
-                **dataclasses.asdict(spec.replay),
+                # Field by field: asdict would turn the CURVE keys' dataclasses into dicts too.
+                **{f.name: getattr(spec.replay, f.name) for f in dataclasses.fields(spec.replay)},
             )
         self.handlers: list[DecodingHandler] = []
 

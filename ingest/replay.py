@@ -10,6 +10,10 @@ A replay is bounded: ``timeout`` seconds for the whole answer, at most ``max_bat
 and ``max_bytes`` of payload. An answer that breaks a bound, is malformed, or does not end in
 time is a :class:`ReplayFailed` with a reason (a counter label), never a partial list taken for
 a whole one.
+
+With ``curve`` (``ingest.curve``), the DEALER is a CURVE client of the engine's ROUTER, whose
+public key is ``curve.server_key``; a ROUTER that does not speak CURVE with that key answers
+nothing (a ``timeout``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Final
 
 import zmq
 
+from ingest.curve import EventCurve
 from registry.config import ServiceConfig
 
 __all__ = ["ReplayClient", "ReplayFailed", "derived_replay_endpoint", "fetch_replay", "offset_endpoint"]
@@ -73,15 +78,18 @@ def fetch_replay(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     max_batches: int = DEFAULT_MAX_BATCHES,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    curve: EventCurve | None = None,
 ) -> list[tuple[int, bytes]]:
     """The ``(seq, payload)`` batches the engine at ``endpoint`` buffers from seq ``start`` on,
-    in the order sent (ascending). Raises :class:`ReplayFailed`."""
+    in the order sent (ascending); over CURVE with ``curve``. Raises :class:`ReplayFailed`."""
     if start < 0:
         raise ValueError("start must be >= 0")
     deadline = time.monotonic() + timeout
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)  # the answer is bounded by max_batches, not by dropping
+    if curve is not None:
+        curve.secure(sock, server=False, watch=False)
     try:
         try:
             sock.connect(endpoint)
@@ -126,7 +134,8 @@ class ReplayClient:
     An engine's endpoint is its pod's registry ``replay_endpoint``; failing that, with
     ``port_offset``, ``tcp://host:(port + port_offset)`` of the pod's registry address. Never one
     a pod id names: ingest connects only where the registry says a pod is. Data-parallel rank r
-    uses that endpoint's port + r, as vLLM does.
+    uses that endpoint's port + r, as vLLM does. ``curve``: ask over CURVE, as the client of
+    the engines' ROUTERs (their public key is ``curve.server_key``).
     """
 
     def __init__(
@@ -138,13 +147,17 @@ class ReplayClient:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         max_batches: int = DEFAULT_MAX_BATCHES,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        curve: EventCurve | None = None,
     ) -> None:
+        if curve is not None and curve.server_key is None:
+            raise ValueError("a CURVE replay client needs the engines' public key (server_key)")
         self.config = config
         self.context = context or zmq.Context.instance()
         self.port_offset = port_offset
         self.timeout = timeout
         self.max_batches = max_batches
         self.max_bytes = max_bytes
+        self.curve = curve
 
     def endpoint(self, pod: str, rank: int = 0) -> str | None:
         """Where engine ``rank`` of ``pod`` serves replays (None: nowhere known)."""
@@ -172,4 +185,5 @@ class ReplayClient:
             timeout=self.timeout,
             max_batches=self.max_batches,
             max_bytes=self.max_bytes,
+            curve=self.curve,
         )

@@ -24,6 +24,9 @@
 | KVCACHE_INGEST_MAX_PODS | 4096 | unregistered pods one ingest receives from at once (more: too_many_pods) |
 | KVCACHE_INGEST_POD_IDLE_SECONDS | 600 | an unregistered pod quiet this long gives its place to a new one |
 | KVCACHE_INGEST_REGISTERED_PODS_ONLY | false | take KV events only from pods registered for their model |
+| KVCACHE_INGEST_CURVE_SECRET_KEY_FILE | "" (off) | ingest's CURVE key pair (``NAME.key_secret``): CURVE on |
+| KVCACHE_INGEST_CURVE_CLIENTS_DIR | "" | ``--bind``: the engines' public certificates it admits |
+| KVCACHE_INGEST_CURVE_SERVER_KEY_FILE | "" | the engines' public key (``--connect``, replicas, replays) |
 | KVCACHE_REPLAY_TIMEOUT_SECONDS | 2.0 | how long ingest waits for an engine's replay of missed batches |
 | KVCACHE_REPLAY_PORT_OFFSET | "" (none) | replay endpoint = tcp://host:(port + offset) of the pod's address |
 | KVCACHE_GATEWAY_POLICY | kv-load | the gateway's routing policy (gateway/policies.py) |
@@ -279,6 +282,15 @@ KVCACHE_INGEST_MAX_BLOCKS = int(os.environ.get("KVCACHE_INGEST_MAX_BLOCKS", "655
 KVCACHE_INGEST_MAX_PODS = int(os.environ.get("KVCACHE_INGEST_MAX_PODS", "4096"))
 KVCACHE_INGEST_POD_IDLE_SECONDS = float(os.environ.get("KVCACHE_INGEST_POD_IDLE_SECONDS", "600"))
 KVCACHE_INGEST_REGISTERED_PODS_ONLY = env_bool("KVCACHE_INGEST_REGISTERED_PODS_ONLY")
+# CURVE on the KV-event sockets (ingest/curve.py; certificates from manage.py curve_keys), off
+# unless the secret key file is set. Ingest's own key pair; the directory of the engines' public
+# certificates (NAME.key) its bound SUB sockets (--bind, where it is the CURVE server) admit, read
+# at start; the engines' shared public key for the sockets it connects (--connect, the replicas'
+# event endpoints: required with them; the replay DEALER: over CURVE only when it is set).
+# Missing or malformed files are refused when ingest starts.
+KVCACHE_INGEST_CURVE_SECRET_KEY_FILE = os.environ.get("KVCACHE_INGEST_CURVE_SECRET_KEY_FILE", "")
+KVCACHE_INGEST_CURVE_CLIENTS_DIR = os.environ.get("KVCACHE_INGEST_CURVE_CLIENTS_DIR", "")
+KVCACHE_INGEST_CURVE_SERVER_KEY_FILE = os.environ.get("KVCACHE_INGEST_CURVE_SERVER_KEY_FILE", "")
 
 # --- the OpenAI gateway (gateway/, manage.py gateway) --------------------------------------------
 KVCACHE_GATEWAY_POLICY = os.environ.get("KVCACHE_GATEWAY_POLICY", "kv-load")

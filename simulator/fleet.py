@@ -29,6 +29,7 @@ from typing import Literal
 import uvicorn
 import zmq
 
+from ingest.curve import EventCurve
 from ingest.events import Layout
 from simulator.config import PodConfig
 from simulator.pod import Pod, PodTokenizer
@@ -51,7 +52,9 @@ PodIdStyle = Literal["sim", "hostport"]
 
 @dataclass(frozen=True, slots=True)
 class PublishConfig:
-    """Where and how the pods publish KV events (``endpoint`` ``None``: they do not)."""
+    """Where and how the pods publish KV events (``endpoint`` ``None``: they do not).
+    ``curve``: every pod publishes and replays over CURVE with this key pair (and, for a PUB that
+    connects, ingest's public key as ``server_key``: required then)."""
 
     endpoint: str | None = "tcp://127.0.0.1:5557"
     layout: Layout = "map"
@@ -59,6 +62,15 @@ class PublishConfig:
     replay_layout: ReplayLayout = "topic"
     buffer_steps: int = DEFAULT_BUFFER_STEPS
     hwm: int = DEFAULT_HWM
+    curve: EventCurve | None = None
+
+    def __post_init__(self) -> None:
+        connects = self.endpoint is not None and not should_bind(self.endpoint)
+        if self.curve is not None and connects and self.curve.server_key is None:
+            raise ValueError(
+                "a CURVE publisher that connects to ingest needs ingest's public key "
+                "(simulate --curve-server-key-file)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +216,7 @@ class Fleet:
                 replay_layout=c.publish.replay_layout,
                 buffer_steps=c.publish.buffer_steps,
                 hwm=c.publish.hwm,
+                curve=c.publish.curve,
             )
             publishers.append(publisher)
             self._publishers.append(publisher)

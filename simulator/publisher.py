@@ -9,6 +9,11 @@
   buffered batch whose seq >= start, then an end marker (seq ``ff``*8, empty payload). Replies are
   ``[b"", topic, seq, payload]`` (vLLM >= 0.26, the default) or ``[b"", seq, payload]`` (older).
   The buffer keeps the last ``buffer_steps`` batches.
+* Optionally CURVE (``curve``: the engine's key pair, ``ingest.curve``; vLLM has no such option):
+  a PUB that connects is the CURVE client of ingest's bound SUB (whose public key is
+  ``curve.server_key``); a PUB that binds, and the replay ROUTER, are CURVE servers with the
+  engine's key pair. As a server it checks no client key (no ZAP handler): whoever has its public
+  key may subscribe or ask for replays (ingest checks the publishers, not the other way round).
 
 Publishing never blocks: PUB drops messages for subscribers past the high-water mark, as in vLLM.
 """
@@ -26,6 +31,7 @@ from typing import Final, Literal
 import zmq
 import zmq.asyncio
 
+from ingest.curve import EventCurve
 from ingest.events import Event, Layout, encode_batch, encode_message
 from ingest.replay import offset_endpoint
 
@@ -62,6 +68,7 @@ class EventPublisher:
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         hwm: int = DEFAULT_HWM,
         clock: Callable[[], float] = time.time,
+        curve: EventCurve | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.pod_id = pod_id
@@ -77,14 +84,22 @@ class EventPublisher:
         self._pub = context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        if should_bind(endpoint):
-            self._pub.bind(endpoint)
-        else:
-            self._pub.connect(endpoint)
+        try:
+            if should_bind(endpoint):
+                _serve_curve(self._pub, curve)
+                self._pub.bind(endpoint)
+            else:
+                if curve is not None:
+                    curve.secure(self._pub, server=False)  # ValueError without ingest's public key
+                self._pub.connect(endpoint)
+        except BaseException:
+            self._pub.close(0)
+            raise
         self._replay: zmq.asyncio.Socket | None = None
         if replay_endpoint:
             self._replay = zmq.asyncio.Context.shadow(context).socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            _serve_curve(self._replay, curve)
             self._replay.bind(replay_endpoint)
 
     @property
@@ -141,7 +156,15 @@ class EventPublisher:
                 await self._replay.send_multipart(reply)
 
     def close(self) -> None:
-        self._pub.close()
+        self._pub.close()  # its CURVE handshake monitor, if any, ends with it
         if self._replay is not None:
             with contextlib.suppress(zmq.ZMQError, asyncio.CancelledError):
                 self._replay.close()
+
+
+def _serve_curve(sock: zmq.Socket, curve: EventCurve | None) -> None:
+    """Make ``sock`` a CURVE server with the engine's key pair (no client key is checked)."""
+    if curve is not None:
+        sock.curve_server = True
+        sock.curve_publickey = curve.keys.public
+        sock.curve_secretkey = curve.keys.secret

@@ -25,6 +25,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from prometheus_client import CollectorRegistry, start_http_server
 
+from ingest.curve import CurveError, EventCurve, load_allowed_keys, load_key_pair, load_public_key
 from ingest.events import DecodeLimits
 from ingest.history import HistoryRecorder, blocks_by_pod
 from ingest.membership import HEARTBEAT_SECONDS, Replica, ReplicaCollector, ReplicaNameTaken, open_membership
@@ -129,6 +130,8 @@ class Command(BaseCommand):
             check_replica_options(options)
         default_bind = [] if options["connect"] or options["replica"] is not None else ["tcp://*:5557"]
         bind = options["bind"] or default_bind
+        connects = bool(options["connect"]) or options["replica"] is not None
+        curve = event_curve(binds=bool(bind), connects=connects)
         # Longer than a score waits (KVCACHE_INGEST_INDEX_TIMEOUT): a write may queue behind others.
         set_index(connect_index(timeout=settings.KVCACHE_INGEST_INDEX_TIMEOUT))
         index = get_index()
@@ -161,10 +164,12 @@ class Command(BaseCommand):
                 config=service_config,
                 port_offset=options["replay_port_offset"],
                 timeout=settings.KVCACHE_REPLAY_TIMEOUT_SECONDS,
+                curve=curve if curve is not None and curve.server_key is not None else None,
             ),
             processes=processes,
             index_factory=worker_index_factory() if processes > 1 else None,
             replica=options["replica"] is not None,
+            curve=curve,
         )
         stats = pipeline.stats
         replica = join_replica(options["replica"], pipeline) if options["replica"] is not None else None
@@ -198,6 +203,8 @@ class Command(BaseCommand):
         workers = f"{options['workers']} workers"
         if processes > 1:
             workers += f" in each of {processes} processes"
+        if curve is not None:
+            workers += f"; CURVE, public key {curve.keys.public.decode()}"
         self.stdout.write(f"ingest: {endpoints}; topic {options['topic']!r}; {workers}")
         self.stdout.flush()
 
@@ -219,6 +226,46 @@ def worker_index_factory() -> Callable[[], KVIndex]:
     return functools.partial(
         open_index, index_url(), socket_timeout=timeout, socket_connect_timeout=timeout, **index_options()
     )
+
+
+def event_curve(*, binds: bool, connects: bool) -> EventCurve | None:
+    """CURVE on the event sockets as the ``KVCACHE_INGEST_CURVE_*`` settings say (None: off);
+    ``CommandError`` when a file is missing or malformed, or the settings do not cover the
+    sockets: bound ones (``binds``) need the allowed keys, connected ones (``connects``:
+    ``--connect``, ``--replica``) the engines' public key."""
+    secret_key_file = settings.KVCACHE_INGEST_CURVE_SECRET_KEY_FILE
+    clients_dir = settings.KVCACHE_INGEST_CURVE_CLIENTS_DIR
+    server_key_file = settings.KVCACHE_INGEST_CURVE_SERVER_KEY_FILE
+    if not secret_key_file:
+        if clients_dir or server_key_file:
+            raise CommandError(
+                "KVCACHE_INGEST_CURVE_CLIENTS_DIR and KVCACHE_INGEST_CURVE_SERVER_KEY_FILE need "
+                "KVCACHE_INGEST_CURVE_SECRET_KEY_FILE, ingest's own key pair (manage.py curve_keys)"
+            )
+        return None
+    try:
+        keys = load_key_pair(secret_key_file, what="KVCACHE_INGEST_CURVE_SECRET_KEY_FILE")
+        if binds and not clients_dir:
+            raise CurveError(
+                "CURVE on --bind needs KVCACHE_INGEST_CURVE_CLIENTS_DIR: a directory of the public "
+                "certificates (NAME.key) of the engines allowed to publish"
+            )
+        if connects and not server_key_file:
+            raise CurveError(
+                "CURVE with --connect or --replica needs KVCACHE_INGEST_CURVE_SERVER_KEY_FILE: the "
+                "certificate of the public key the engines' bound sockets serve with"
+            )
+        allowed = (
+            load_allowed_keys(clients_dir, what="KVCACHE_INGEST_CURVE_CLIENTS_DIR") if clients_dir else None
+        )
+        server_key = (
+            load_public_key(server_key_file, what="KVCACHE_INGEST_CURVE_SERVER_KEY_FILE")
+            if server_key_file
+            else None
+        )
+    except CurveError as e:
+        raise CommandError(str(e)) from None
+    return EventCurve(keys=keys, allowed=allowed or frozenset(), server_key=server_key)
 
 
 def check_replica_options(options: dict) -> None:

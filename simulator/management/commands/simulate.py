@@ -21,6 +21,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
+from ingest.curve import CurveError, EventCurve, load_key_pair, load_public_key
 from registry.config import ServiceConfig
 from registry.services import register_pods
 from simulator.config import (
@@ -48,6 +49,22 @@ def registry_config() -> ServiceConfig:
         return service_config()
     except DatabaseError:
         return ServiceConfig(seed=settings.KVCACHE_HASH_SEED, default_block_size=settings.KVCACHE_BLOCK_SIZE)
+
+
+def publish_curve(options: dict[str, Any]) -> EventCurve | None:
+    """The pods' CURVE keys (``--curve-*``), None without ``--curve-secret-key-file``;
+    ``CurveError`` (a ``ValueError``) for a missing or malformed file."""
+    secret_key_file, server_key_file = options["curve_secret_key_file"], options["curve_server_key_file"]
+    if not secret_key_file:
+        if server_key_file:
+            raise CurveError("--curve-server-key-file needs --curve-secret-key-file (the pods' key pair)")
+        return None
+    return EventCurve(
+        keys=load_key_pair(secret_key_file, what="--curve-secret-key-file"),
+        server_key=load_public_key(server_key_file, what="--curve-server-key-file")
+        if server_key_file
+        else None,
+    )
 
 
 def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetConfig:
@@ -99,6 +116,7 @@ def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetCo
             replay_endpoint=options["replay_endpoint"] or None,
             replay_layout=options["replay_layout"],
             buffer_steps=options["replay_buffer_steps"],
+            curve=publish_curve(options),
         ),
     )
 
@@ -178,6 +196,21 @@ class Command(BaseCommand):
         )
         events.add_argument(
             "--replay-buffer-steps", type=int, default=10_000, help="Batches kept for replay."
+        )
+        events.add_argument(
+            "--curve-secret-key-file",
+            default=None,
+            metavar="FILE",
+            help="Publish (and replay) over CURVE with this key pair (a NAME.key_secret certificate "
+            "from manage.py curve_keys; every pod uses it): the client of ingest's bound SUB, or the "
+            "server where the PUB binds and on the replay ROUTER.",
+        )
+        events.add_argument(
+            "--curve-server-key-file",
+            default=None,
+            metavar="FILE",
+            help="Ingest's public certificate (its NAME.key): needed with --curve-secret-key-file "
+            "when the PUB connects.",
         )
         events.add_argument(
             "--register",
@@ -275,6 +308,10 @@ class Command(BaseCommand):
                     f"rank {r}: {e or '-'} replay {p or '-'}" for r, (e, p) in enumerate(fleet.endpoints(i))
                 )
                 self.stdout.write(f"  {pod.pod_id}  {pod.url}  events {ends}")
+            if c.publish.curve is not None:
+                self.stdout.write(
+                    f"  events over CURVE, the pods' public key {c.publish.curve.keys.public.decode()}"
+                )
             if self.register:
                 await sync_to_async(register_pods)(announced(fleet))
                 self.stdout.write("  registered: addresses and replay endpoints are in the pod registry")
