@@ -9,8 +9,13 @@ Each case is one of the measurements that opened issue 9, repeated on the bounde
   a 16,384-block store; a 65,536-hash remove; 4,096 ``AllBlocksCleared``), then a small batch of
   another engine on the same shard worker follows. Recorded: how long after sending the victim's
   batch is visible in the index, against the same batch sent alone (the floor, same run).
+* ``fuzz`` (issue 27): ``--fuzz-messages`` mutated messages (``tests/security/hostile_events.py``)
+  into an ingest with the default limits, in chunks of 1,000 that it keeps up with (a valid pod's
+  batch after each, awaited), so that what is measured is what ingest keeps, not a backlog.
+  Recorded every 50,000: ingest's RSS (growth after 5,000 of warm-up), the registry's rows, the
+  messages per second; at the end, whether the valid pod's blocks all score.
 
-    .venv/bin/python bench/hostile.py [--rounds 5] [--out FILE]
+    .venv/bin/python bench/hostile.py [--cases victim,flood,fuzz] [--rounds 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_ba
 from kvindex import open_index  # noqa: E402
 from kvindex.keys import chain_digests, key_of, root_digest  # noqa: E402
 from kvindex.shared_stats import STATS_KEY  # noqa: E402
+from tests.security.hostile_events import EventFuzzer  # noqa: E402
 
 MODEL = "bench/hostile"
 BLOCK = 16
@@ -222,23 +228,75 @@ def victim_delay(ingest: Ingest, rounds: int) -> dict:
     return out
 
 
+def fuzz(ingest: Ingest, messages: int, *, chunk: int = 1000) -> dict:
+    """See the module docstring: what ingest keeps while mutated messages come in."""
+    frames = EventFuzzer(seed=27).messages()
+    marks, before, started = [], 0.0, time.monotonic()
+    chunks = messages // chunk + 5
+    for n in range(chunks):
+        if n == 5:
+            before, started = ingest.rss_mb(), time.monotonic()
+        for _ in range(chunk):
+            ingest.pub.send_multipart(next(frames))
+        ingest.send("valid", [stores(1, start_token=50_000 + 16 * n)])
+        wait_for(lambda: ingest.applied("valid"), timeout=300, what="the valid pod's batch", every=0.01)
+        done = (n - 4) * chunk
+        if n >= 5 and done % 50_000 == 0:
+            with sqlite3.connect(ingest.tmp / "db.sqlite3") as db:
+                rows = db.execute("select count(*) from scoring_pod").fetchone()[0]
+            marks.append(
+                {
+                    "messages": done,
+                    "rss_mb": round(ingest.rss_mb(), 1),
+                    "rss_growth_mb": round(ingest.rss_mb() - before, 1),
+                    "registry_rows": rows,
+                    "messages_per_s": round(done / (time.monotonic() - started)),
+                }
+            )
+            print(marks[-1], flush=True)
+    held = 0
+    for n in range(chunks):
+        tokens = [(50_000 + 16 * n + i) % 150_000 for i in range(BLOCK)]
+        [digest] = chain_digests(tokens, block_size=BLOCK, parent=root_digest(SEED))
+        held += len(ingest.index.lookup(model=MODEL, keys=[key_of(digest)], pods=["valid"]))
+    return {
+        "messages": messages,
+        "rss_before_mb": round(before, 1),
+        "marks": marks,
+        "valid_blocks_held": f"{held}/{chunks}",
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pods", type=int, default=30_000, help="Distinct pod names in the flood.")
+    parser.add_argument("--cases", default="victim,flood,fuzz", help="Which of: victim, flood, fuzz.")
+    parser.add_argument("--fuzz-messages", type=int, default=200_000)
     parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "hostile.json")
     args = parser.parse_args(argv)
+    cases = set(args.cases.split(","))
     report: dict = {"machine": machine(rounds=args.rounds)}
-    ingest = Ingest()
-    try:
-        report["victim_delay"] = victim_delay(ingest, args.rounds)
-        print(json.dumps(report["victim_delay"], indent=2), flush=True)
-        report["pod_flood"] = pod_flood(ingest, args.pods)
-        print(json.dumps(report["pod_flood"], indent=2), flush=True)
-    finally:
-        ingest.close()
+    if cases & {"victim", "flood"}:
+        ingest = Ingest()
+        try:
+            if "victim" in cases:
+                report["victim_delay"] = victim_delay(ingest, args.rounds)
+                print(json.dumps(report["victim_delay"], indent=2), flush=True)
+            if "flood" in cases:
+                report["pod_flood"] = pod_flood(ingest, args.pods)
+                print(json.dumps(report["pod_flood"], indent=2), flush=True)
+        finally:
+            ingest.close()
+    if "fuzz" in cases:
+        ingest = Ingest()  # of its own: what it keeps is what the fuzz left
+        try:
+            report["fuzz"] = fuzz(ingest, args.fuzz_messages)
+            print(json.dumps(report["fuzz"], indent=2), flush=True)
+        finally:
+            ingest.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     return report

@@ -65,14 +65,15 @@ from kvindex.keys import (
 from kvindex.kv_cache_groups import GROUP_RULES, group_digest, group_holder
 from registry.config import DP_RANK_SEPARATOR, ServiceConfig
 
-CACHED_BLOCKS_PER_WORKER = 65_536
-"""What one worker keeps of its engines' recent blocks, over all of them (parents and re-chunked
-pages, ~250 bytes each: ~16 MiB). Past it, the engines heard from least recently are forgotten: a
-block chained from one of theirs is then looked up in the index (a round trip, never a wrong key).
-So however many pods send, and whatever they send, what a worker keeps stays bounded."""
+CACHED_BLOCKS_PER_PROCESS = 32_768
+"""What an ingest process keeps of its engines' recent blocks, over all of them and shared out
+between its workers (``EventApplier.cache_budget``): parents and re-chunked pages, ~250 bytes
+each, ~8 MiB. Past it, the engines a worker heard from least recently are forgotten: a block
+chained from one of theirs is then looked up in the index (a round trip, never a wrong key). So
+however many pods send, and whatever they send, what ingest keeps of their blocks stays bounded."""
 
 BUDGET_CHECK_SECONDS = 1.0
-"""How often a worker counts what it keeps against ``CACHED_BLOCKS_PER_WORKER``."""
+"""How often a worker counts what it keeps against its ``cache_budget``."""
 
 PARENT_CACHE_SIZE = 8192
 """Engine hash -> digest entries kept per pod, so a parent is usually found without a round trip."""
@@ -190,7 +191,14 @@ class EventApplier:
     """Stages batches as index updates and flushes them. One instance per worker; a pod is only
     ever applied by one worker (its events stay in order), so per-pod state needs no lock."""
 
-    def __init__(self, index: KVIndex, *, config: Callable[[], ServiceConfig], stats: IngestStats) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        *,
+        config: Callable[[], ServiceConfig],
+        stats: IngestStats,
+        cache_budget: int = CACHED_BLOCKS_PER_PROCESS,
+    ) -> None:
         self.index = index
         self.config = config
         self.stats = stats
@@ -201,7 +209,7 @@ class EventApplier:
         self._batch_times: list[float] = []
         self._staged_blocks = 0  # blocks staged since the last flush (stage_steps' budget)
         self._seed: str | None = None
-        self.cache_budget = CACHED_BLOCKS_PER_WORKER
+        self.cache_budget = cache_budget
         self._budget_checked_at = time.monotonic()
 
     def apply(

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from ingest.applier import EventApplier, holder_id
+from ingest.applier import CACHED_BLOCKS_PER_PROCESS, EventApplier, holder_id
 from ingest.curve import EventCurve
 from ingest.events import DEFAULT_LIMITS, DecodeLimits
 from ingest.pool import DEFAULT_ADMISSION, Admission, Adopt, DecodingHandler, Receiver, ShardPool
@@ -108,7 +108,8 @@ class IngestPipeline:
         self._started = False
 
         def handler_factory(_worker: int):
-            applier = EventApplier(index, config=config, stats=self.stats)
+            budget = CACHED_BLOCKS_PER_PROCESS // workers
+            applier = EventApplier(index, config=config, stats=self.stats, cache_budget=budget)
             self.appliers.append(applier)
             handler = DecodingHandler(applier, self.stats, limits, replay=replay, progress=self.progress)
             self.handlers.append(handler)

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from ingest.applier import EventApplier
+from ingest.applier import CACHED_BLOCKS_PER_PROCESS, EventApplier
 from ingest.curve import EventCurve
 from ingest.events import DEFAULT_LIMITS, DecodeLimits
 from ingest.pool import MAX_MESSAGES_PER_FLUSH, Adopt, DecodingHandler, Received, ShardPool, fnv1a_32
@@ -618,7 +618,12 @@ class _Worker:
         self.handlers: list[DecodingHandler] = []
 
         def handler_factory(_worker: int) -> DecodingHandler:
-            applier = EventApplier(self.index, config=lambda: self.config, stats=self.stats)
+            applier = EventApplier(
+                self.index,
+                config=lambda: self.config,
+                stats=self.stats,
+                cache_budget=CACHED_BLOCKS_PER_PROCESS // spec.threads,
+            )
             handler = DecodingHandler(applier, self.stats, spec.limits, replay=replay, progress=progress)
             self.handlers.append(handler)
             return handler

@@ -7,7 +7,7 @@ throughout.
 
 What ingest keeps is bounded by its limits: per message (every value that sizes a structure is
 range-checked in decoding), per pod (models, ranks, groups) and over all pods
-(``KVCACHE_INGEST_MAX_PODS`` unregistered ones, ``ingest.applier.CACHED_BLOCKS_PER_WORKER``). The
+(``KVCACHE_INGEST_MAX_PODS`` unregistered ones, ``ingest.applier.CACHED_BLOCKS_PER_PROCESS``). The
 test runs with 500 unregistered pods at most, so that its bound is met well before the end:
 ``bench/hostile.py`` measures 200,000 messages with the default limits. The fuzz is sent in
 chunks that ingest keeps up with (a marker batch after each), so that what is measured is what
