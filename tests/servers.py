@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -14,7 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+import uvicorn
 
+from stack.asgi_server import HTTP_PROTOCOL
 from tests.ports import free_port
 
 
@@ -285,3 +288,34 @@ class ValkeyCluster:
             self.clients[source].execute_command("MIGRATE", "127.0.0.1", to, "", 0, 5000, "KEYS", *keys)
         for port in sorted(self.master_ports(), key=lambda p: (p != to, p != source)):  # to, source, rest
             self.clients[port].execute_command("CLUSTER", "SETSLOT", slot, "NODE", self.ids[to])
+
+
+class Served:
+    """An ASGI app under uvicorn on a free loopback port, in a thread with its own event loop,
+    with the servers' HTTP protocol (``http``: ``stack.asgi_server``'s, by default)."""
+
+    def __init__(self, app, *, http=HTTP_PROTOCOL, lifespan: str = "on") -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+        config = uvicorn.Config(
+            app,
+            http=http,
+            loop="asyncio",  # as manage.py serve and gateway run them: asyncio's loop,
+            proxy_headers=False,  # and the client is the connection's peer
+            interface="asgi3",
+            lifespan=lifespan,
+            log_config=None,
+            log_level="critical",
+        )
+        self.server = uvicorn.Server(config)
+        self.server.capture_signals = contextlib.nullcontext  # the test process keeps its signals
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, what="the server")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

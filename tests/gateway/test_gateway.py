@@ -5,7 +5,6 @@ for what the simulator does not do on purpose (fail, stream slowly, notice a cli
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import threading
 import time
@@ -13,7 +12,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
 from ingest.events import BlockStored
@@ -26,35 +24,13 @@ from simulator.config import EngineConfig, LatencyConfig, PodConfig
 from simulator.fleet import Fleet, FleetConfig, FleetThread, PublishConfig
 from simulator.pod import PodTokenizer
 from tests.ingest.conftest import Harness
-from tests.servers import wait_until
+from tests.servers import Served, wait_until
 from tokenization.tokenizers import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
 SEED = "42"
 BLOCK = 16
 LONG = " ".join(f"word{i}" for i in range(400))  # ~100 blocks
-
-
-class Served:
-    """An ASGI app under uvicorn on a free port, in a thread with its own event loop."""
-
-    def __init__(self, app, *, lifespan: str = "on") -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.address = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.address}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, interface="asgi3", lifespan=lifespan, log_config=None, log_level="warning")
-        )
-        self.server.capture_signals = contextlib.nullcontext  # the test process keeps its signals
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, what="the server")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 class System:

@@ -10,14 +10,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import uvicorn
-
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
 from kvindex import open_index
 from registry.config import ServiceConfig
 from registry.snapshot import ConfigSource
-from stack.asgi_server import HTTP_PROTOCOL
-from tests.servers import wait_until
 from tokenization.tokenizers import TokenizerRegistry
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -135,36 +131,6 @@ class RawPod:
         for conn in self.connections:
             with contextlib.suppress(OSError):
                 conn.close()
-
-
-class Served:
-    """An ASGI app under uvicorn on a free loopback port, in a thread with its own event loop,
-    with the servers' HTTP protocol (``http``: ``stack.asgi_server``'s, by default)."""
-
-    def __init__(self, app, *, http=HTTP_PROTOCOL, lifespan: str = "on") -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app,
-            http=http,
-            loop="asyncio",  # as manage.py serve and gateway run them: asyncio's loop,
-            proxy_headers=False,  # and the client is the connection's peer
-            interface="asgi3",
-            lifespan=lifespan,
-            log_config=None,
-            log_level="critical",
-        )
-        self.server = uvicorn.Server(config)
-        self.server.capture_signals = contextlib.nullcontext  # the test process keeps its signals
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, what="the server")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def gateway_app(pods: dict[str, str], **settings) -> GatewayApp:

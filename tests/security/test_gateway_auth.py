@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from tests.dashboard.conftest import ROOT, Process
-from tests.security.gateway_harness import MODEL, RawPod, Served, gateway_app
-from tests.servers import free_port, service_env, wait_until
+from tests.security.gateway_harness import MODEL, RawPod, gateway_app
+from tests.servers import Served, free_port, service_env, wait_until
 
 
 @pytest.fixture

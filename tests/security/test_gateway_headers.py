@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from tests.security.gateway_harness import MODEL, RawPod, Served, gateway_app, raw_request, status_of
+from tests.security.gateway_harness import MODEL, RawPod, gateway_app, raw_request, status_of
+from tests.servers import Served
 
 BODY = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1})
 HEAD = (

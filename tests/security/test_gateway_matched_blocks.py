@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.security.gateway_harness import MODEL, RawPod, Served, gateway_app
+from tests.security.gateway_harness import MODEL, RawPod, gateway_app
+from tests.servers import Served
 
 SECRET = "The launch code of tenant A is " + " ".join(f"w{i}" for i in range(120))
 

@@ -15,14 +15,13 @@ import orjson
 from tests.security.gateway_harness import (
     MODEL,
     RawPod,
-    Served,
     answer_malformed_chunks,
     answer_never,
     gateway_app,
     raw_request,
     status_of,
 )
-from tests.servers import wait_until
+from tests.servers import Served, wait_until
 
 BODY = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1})
 HEAD = (

@@ -27,9 +27,9 @@ from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
 from kvindex import open_index
 from registry.config import ServiceConfig
 from registry.snapshot import ConfigSource
-from tests.gateway.test_gateway import Served as ServedGateway
 from tests.ingest.test_command import ROOT
 from tests.loadgen.fake_fleet import Served
+from tests.servers import Served as ServedGateway
 from tests.servers import free_port, service_env, wait_until
 from tokenization.tokenizers import TokenizerRegistry
 

@@ -22,8 +22,8 @@ import pytest
 
 from stack.asgi_server import ConnectionLimits, http_protocol
 from tests.dashboard.conftest import ROOT, Process
-from tests.security.gateway_harness import Served, status_of
-from tests.servers import free_port, service_env, wait_until
+from tests.security.gateway_harness import status_of
+from tests.servers import Served, free_port, service_env, wait_until
 
 DISCONNECTS: list[float] = []
 """When ``count_body`` read that a request's client had left before the end of its body."""
