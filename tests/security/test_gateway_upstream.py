@@ -34,10 +34,10 @@ def test_a_pod_silent_before_its_headers_is_given_up_on() -> None:
     pod = RawPod(answer_never)
     gateway = Served(gateway_app({"pod": pod.address}, first_byte_timeout=0.5))
     try:
-        answer, took = raw_request(gateway.port, HEAD, BODY)
+        answer, took = raw_request(gateway.port, HEAD, BODY, timeout=30)
         assert status_of(answer) == 504, answer
         assert b'"upstream_timeout"' in answer
-        assert took < 5
+        assert took < 15  # 0.5 s of waiting, after loading the tokenizer on a loaded machine
         wait_until(lambda: pod.closed, timeout=5, what="the gateway to close the pod's request")
     finally:
         gateway.stop()
