@@ -151,12 +151,13 @@ async def send_completion(
     body: dict,
     *,
     clock: Callable[[], float] = time.perf_counter,
+    headers: dict[str, str] | None = None,
 ) -> Completion:
-    """POST ``body`` to ``url``: read the SSE stream to ``[DONE]`` when ``body["stream"]`` is
-    set, else the one JSON answer."""
+    """POST ``body`` to ``url`` (with ``headers``): read the SSE stream to ``[DONE]`` when
+    ``body["stream"]`` is set, else the one JSON answer."""
     if body.get("stream"):
-        return await stream_completion(client, url, body, clock=clock)
-    return await fetch_completion(client, url, body, clock=clock)
+        return await stream_completion(client, url, body, clock=clock, headers=headers)
+    return await fetch_completion(client, url, body, clock=clock, headers=headers)
 
 
 async def stream_completion(
@@ -165,6 +166,7 @@ async def stream_completion(
     body: dict,
     *,
     clock: Callable[[], float] = time.perf_counter,
+    headers: dict[str, str] | None = None,
 ) -> Completion:
     """POST ``body`` (with ``stream`` set) to ``url`` and read the SSE stream to ``[DONE]``.
 
@@ -184,7 +186,7 @@ async def stream_completion(
         return _finished(status, ttft, clock() - start, "".join(parts), len(parts), usage, served)
 
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
             status = response.status_code
             served = ServedBy.from_headers(response.headers)
             if status != 200:
@@ -224,6 +226,7 @@ async def fetch_completion(
     body: dict,
     *,
     clock: Callable[[], float] = time.perf_counter,
+    headers: dict[str, str] | None = None,
 ) -> Completion:
     """POST ``body`` (``stream`` false) to ``url`` and read the one JSON answer; ``ttft`` is
     None. Output tokens come from its usage, else 1 if it has any text (a lower bound)."""
@@ -235,7 +238,7 @@ async def fetch_completion(
         return _failed(status, None, clock() - start, "", 0, error, served)
 
     try:
-        response = await client.post(url, json=body)
+        response = await client.post(url, json=body, headers=headers)
     except httpx.HTTPError as e:
         return failed(f"{type(e).__name__}: {e}".rstrip(": "))
     status = response.status_code

@@ -391,8 +391,11 @@ class _Run:
         scores = self.lookup.known(request)
         self.lookup.forget(request)
         sent = time.perf_counter()
-        if chosen is None:
-            completion = await send_completion(self.client, config.endpoint(seq=turn.seq), body)
+        if chosen is None:  # the target's: our gateway takes the scoring API's keys
+            headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+            completion = await send_completion(
+                self.client, config.endpoint(seq=turn.seq), body, headers=headers
+            )
         else:
             self.in_flight.start(chosen)
             try:

@@ -68,13 +68,15 @@ class ProxyBehaviour:
     """Forward to ``upstream`` (a pod's base URL) and name ``pod`` in ``x-kvcache-pod`` (no header
     when None). With ``predict`` set, the whole answer is read first and
     ``x-kvcache-matched-blocks`` says ``cached_tokens // block_size + predict_error`` blocks:
-    a perfect prediction for ``predict_error`` 0. ``forwarded`` lists (path, stream) per request."""
+    a perfect prediction for ``predict_error`` 0. ``forwarded`` lists (path, stream) per request,
+    ``authorization`` the Authorization header of each."""
 
     upstream: str
     pod: str | None
     predict: bool = False
     predict_error: int = 0
     forwarded: list[tuple[str, bool]] = field(default_factory=list)
+    authorization: list[str | None] = field(default_factory=list)
 
 
 def _cached_tokens(content: bytes) -> int:
@@ -96,6 +98,7 @@ def proxy_app(proxy: ProxyBehaviour) -> Starlette:
     async def forward(request: Request) -> Response:
         body = await request.json()
         proxy.forwarded.append((request.url.path, bool(body.get("stream"))))
+        proxy.authorization.append(request.headers.get("authorization"))
         client = httpx.AsyncClient(timeout=30, trust_env=False)
         upstream = await client.send(
             client.build_request("POST", f"{proxy.upstream}{request.url.path}", json=body), stream=True

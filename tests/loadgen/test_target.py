@@ -305,3 +305,15 @@ def test_replicas_of_a_target_take_requests_in_turn():
         LoadgenConfig(pods={"sim-0": "http://p:1"}, replicas=("http://g:2",))
     with pytest.raises(ValueError):
         LoadgenConfig(target="http://g:1", replicas=("http://g:2/v1",))
+
+
+def test_the_target_gets_the_api_key(proxy):
+    """Our gateway takes the scoring API's keys: with one, loadgen sends it to the target too."""
+    behaviour, url = proxy()
+    asyncio.run(
+        run_step(
+            target_config(url, api_key=API_KEY, workload=WorkloadSpec(groups=1, questions_per_group=1)),
+            qps=50,
+        )
+    )
+    assert behaviour.authorization and set(behaviour.authorization) == {f"Bearer {API_KEY}"}

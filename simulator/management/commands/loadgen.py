@@ -122,7 +122,8 @@ class Command(BaseCommand):
         routing.add_argument(
             "--api-key",
             default=None,
-            help="Bearer key for the scoring API (default: the first of KVCACHE_API_KEYS, if set).",
+            help="Bearer key for the scoring API and the --target (our gateway takes the same keys; "
+            "default: the first of KVCACHE_API_KEYS, if set).",
         )
         routing.add_argument(
             "--score-timeout", type=float, default=5.0, help="Seconds per score call (default 5)."
