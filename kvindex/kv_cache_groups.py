@@ -5,8 +5,9 @@ Qwen3-Next, Jamba...) has one KV-cache group per kind of layer. vLLM caches a bl
 group: a ``BlockStored`` / ``BlockRemoved`` event carries its ``group_idx``, and the groups evict
 independently (a sliding window frees the blocks that left its window while decoding, so they go
 first). Group 0 is full attention; the model config lists the groups in vLLM's order
-(``ModelSettings.kv_cache_groups``), or ingest learns them from events that describe them
-(``kv_cache_spec_kind``).
+(``ModelSettings.kv_cache_groups``), or ingest learns each pod's from the events that describe
+them (``kv_cache_spec_kind``): a pod's description is applied to its own hit only
+(``ServiceConfig.kv_cache_groups_of``).
 
 Index identity: group 0 is indexed as any model is. A group ``g > 0`` is indexed under the holder
 ``<holder>#g<g>`` (``group_holder``), with its block keys and digests masked (``group_key``,
