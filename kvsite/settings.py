@@ -164,6 +164,17 @@ DATABASES = {
         conn_max_age=60,
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Ingest writes the registry from two threads (pods heard, their health) while the web
+    # processes read it. A transaction takes the write lock when it starts (IMMEDIATE), so it
+    # waits its turn instead of failing with "database is locked" when it reads before writing;
+    # with the write-ahead log, readers and the writer do not wait for each other.
+    DATABASES["default"]["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL;",
+        "timeout": 20,
+        **DATABASES["default"].get("OPTIONS", {}),
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
