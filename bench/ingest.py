@@ -13,9 +13,10 @@ ingest`` runs), for each backend, worker count and process count (``--processes`
    entry (``INFO memory`` ``used_memory``, after less before, over the blocks stored: every
    block has one holder here). For the cluster, the balance of the model's block keys over the
    masters (the largest deviation from their mean, in %).
-2. latency: the rest of the stream paced at half the measured throughput; the ingest process
-   records for each batch the time from its timestamp (set when published) to applied in the
-   index (with worker processes, only when their stats reach the parent's).
+2. latency: the rest of the stream paced at half the measured throughput (or ``--latency-rate``
+   blocks/s, e.g. the 10,000 of issue 27); the ingest process records for each batch the time
+   from its timestamp (set when published) to applied in the index (with worker processes, only
+   when their stats reach the parent's).
 
 Backends: ``memory``; ``redis``, one Valkey server on ``--base-port`` (or ``--redis-url``), and
 ``redis-compact``, the same with the index's compact layout (``kvindex/redis.py``);
@@ -232,10 +233,10 @@ def run_case(url: str, workers: int, processes: int, args, streams, servers: Ser
             "valkey_bytes_out_per_block": round((after["out"] - before["out"]) / stored, 1),
             "bytes_per_entry": round((after["memory"] - before["memory"]) / stored, 1),
         }
-    # Phase 2: latency at half that load, the rest of the streams, paced.
+    # Phase 2: latency at half that load (or --latency-rate), the rest of the streams, paced.
     parent.send(("reset_latency", None))
     parent.recv()
-    rate_batches = 0.5 * throughput / args.blocks_per_batch
+    rate_batches = (args.latency_rate or 0.5 * throughput) / args.blocks_per_batch
     rest = [(pod, b, event) for stream in streams for b, (pod, event) in enumerate(stream) if b >= half]
     rest.sort(key=lambda item: item[1])  # round-robin over pods, in each pod's order
     budget = min(len(rest), int(rate_batches * args.latency_seconds))
@@ -282,6 +283,13 @@ def main() -> None:
     parser.add_argument("--batches-per-pod", type=int, default=400)
     parser.add_argument("--blocks-per-batch", type=int, default=16)
     parser.add_argument("--latency-seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--latency-rate",
+        type=float,
+        default=None,
+        help="blocks/s of the latency phase (default: half the measured throughput); the streams "
+        "must be long enough: --batches-per-pod >= 2 x rate x seconds / pods / blocks per batch",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; the median is reported")
     parser.add_argument("--redis-url", default=None, help="default: start a throwaway Valkey server")
     parser.add_argument("--base-port", type=int, default=17200, help="servers and ingest on ports from it")
