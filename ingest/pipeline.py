@@ -287,7 +287,7 @@ class IngestPipeline:
             assert self.replay is not None
             fetched = Fetched(start, self.replay.fetch(item.pod, item.rank, start))
         except ReplayFailed as e:
-            fetched = Fetched(start, [], e)
+            fetched = Fetched(start, [], e.with_traceback(None))  # kept: no cycle through this frame
         except Exception:
             log.exception("reading the replay of %s failed; its worker asks again", item.pod)
         self.pool.submit(dataclasses.replace(item, fetched=fetched))

@@ -204,7 +204,9 @@ class StreamKeeper:
                     raise ReplayFailed("no_endpoint", "ingest runs without replay")
                 fetched = self.replay.fetch(pod, rank, start)
             except ReplayFailed as e:
-                fetched, failure = [], e
+                # Without its traceback: the traceback holds this frame, which would hold the
+                # exception, a cycle that outlives the frame when the pipeline freezes it (gc).
+                fetched, failure = [], e.with_traceback(None)
         if before is not None:
             fetched = [b for b in fetched if b[0] < before]
         run = _unbroken_tail(fetched)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -396,6 +397,33 @@ def test_a_gap_that_cannot_be_replayed_clears_the_pod(fx: Fixture, why: str) -> 
     assert fx.held(engine) == 0  # block 0's store was lost with the clear: missing, not stale
     if why == "timeout":
         silent.close()
+
+
+def test_a_failed_replay_leaves_nothing_for_the_collector(fx: Fixture) -> None:
+    """A replay that fails is counted, and its exception dies with the recovery: kept with its
+    traceback, it made a cycle (exception, traceback, the recovery's frame, the exception) that
+    only the collector could free, and the pipeline freezes what survives a collection, so under
+    fuzzed gaps ingest kept ~1.3 kB per failed replay for good (8 MB in 40,000 messages)."""
+    fx.stop_ingest()
+    fx.pipeline_options = {"gc_freeze_seconds": None}  # no collection but the test's
+    fx.start_ingest()
+    engine = fx.engine("pod-a", replay=False)
+    engine.store()
+    fx.sync(engine)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        failures = fx.stream("pod-a").replay_failures["no_endpoint"]
+        engine.evict_last(lost=True)
+        engine.store()  # a gap, and no endpoint to replay it from
+        fx.sync(engine)
+        assert fx.stream("pod-a").replay_failures["no_endpoint"] == failures + 1
+        kept = [o for o in gc.get_objects() if isinstance(o, ReplayFailed) and o.__traceback__ is not None]
+        assert kept == []
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def test_an_engine_restart_clears_what_it_held_before(fx: Fixture) -> None:
