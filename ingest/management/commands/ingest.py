@@ -418,8 +418,15 @@ class Housekeeping:
             )
 
     def _record_learned_groups(self) -> None:
-        """The KV-cache groups each pod's events described, into the registry when they change."""
-        learned = {key: dict(groups) for key, groups in list(self.stats.learned_groups.items())}
+        """The KV-cache groups each pod's events described, into the registry when they change, for
+        the pods already in it: a pod whose first event came after this round recorded the pods
+        seen gets its row next round, and its groups then (else they were skipped for want of
+        a row, and never written, as nothing changed since)."""
+        learned = {
+            key: dict(groups)
+            for key, groups in list(self.stats.learned_groups.items())
+            if key[0] in self._registered
+        }
         if learned != self._learned_groups:
             record_learned_groups(learned)
             self._learned_groups = learned
