@@ -372,14 +372,16 @@ class Housekeeping:
                 log.warning("could not send ingest stats to the channel layer: %s", e)
         if self._redis is not None:  # after the live numbers went out: they are not kept waiting
             try:
-                self._record_history()
+                self._record_history(snapshot)
             except redis.RedisError as e:
                 log.warning("could not record the dashboard history: %s", e)
         if self._trim is not None and time.monotonic() >= self._next_trim:
             self._next_trim = time.monotonic() + TRIM_INTERVAL_SECONDS
             self._trim()
 
-    def _record_history(self) -> None:
+    def _record_history(self, snapshot: dict) -> None:
+        """The dashboard history's point: from this process's ``snapshot`` (as published) and the
+        other ingest processes' (read from Redis)."""
         try:
             blocks = blocks_by_pod(get_index().pod_blocks())
         except IndexUnavailable:
@@ -387,7 +389,7 @@ class Housekeeping:
         self._history.record(
             self._redis,
             now=time.time(),
-            snapshots=read_snapshots(self._redis),
+            snapshots=[snapshot, *read_snapshots(self._redis, besides=self._instance)],
             blocks=blocks,
             scoring=read_scoring(self._redis),
         )
