@@ -5,8 +5,8 @@ scoring API's own latency (issue 27, defect 5).
 Real processes, as ``make run`` starts them: a Valkey server (``--aof``: with the append-only
 file ``make run`` keeps), ``manage.py ingest --bind`` (its default workers and housekeeping)
 and ``manage.py serve`` (the scoring API, ``--web-workers``). The pods are in the registry, with
-the address of a small health and ``/metrics`` server in this process, as ``simulate
---register`` leaves them.
+the address of a small health and ``/metrics`` server (a child process of this script), as
+``simulate --register`` leaves them.
 
 This process plays ``--pods`` engines, each with a PUB socket of its own, publishing at
 ``--rate`` blocks/s in batches of ``--blocks-per-batch`` 16-token blocks, round robin over the
@@ -18,7 +18,8 @@ An observer process (so that its work does not delay the publisher) measures:
 1. **visible in scores**: a ``--sample`` share of the batches; for each, from the moment it was
    published until a ``POST /api/v1/score/batch`` (up to 64 pending batches per call, back to
    back) scores the batch's pod with every block of its prompt up to that batch. The figure is an
-   upper bound: a batch seen in a call counts from that call's answer.
+   upper bound: a batch seen in a call counts from that call's answer. Beside it, the floor,
+   **in the index**: until a lookup straight from Valkey finds the batch's last block for its pod.
 2. **scoring latency**: ``--score-qps`` single ``POST /api/v1/score`` calls of recent prompts (a
    hit on one pod), paced, for ``--idle-seconds`` before the load (idle) and during it (loaded).
 
