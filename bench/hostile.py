@@ -13,9 +13,12 @@ Each case is one of the measurements that opened issue 9, repeated on the bounde
   into an ingest with the default limits, in chunks of 1,000 that it keeps up with (a valid pod's
   batch after each, awaited), so that what is measured is what ingest keeps, not a backlog.
   Recorded every 50,000: ingest's RSS (growth after 5,000 of warm-up), the registry's rows, the
-  messages per second; at the end, whether the valid pod's blocks all score.
+  messages per second; at the end, whether the valid pod's blocks all score. The growth moves by
+  5-10 MB from one run to the next (``docs/performance.md``): ``--fuzz-runs 3`` runs it on three
+  fresh ingest processes and reports each mark's median.
 
-    .venv/bin/python bench/hostile.py [--cases victim,flood,fuzz] [--rounds 5] [--out FILE]
+    .venv/bin/python bench/hostile.py [--cases victim,flood,fuzz] [--rounds 5] [--fuzz-runs 1]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -267,6 +270,21 @@ def fuzz(ingest: Ingest, messages: int, *, chunk: int = 1000) -> dict:
     }
 
 
+def fuzz_medians(runs: list[dict]) -> list[dict]:
+    """Per mark (every 50,000 messages), the median of each figure over ``runs``."""
+    return [
+        {
+            "messages": marks[0]["messages"],
+            **{
+                figure: statistics.median(mark[figure] for mark in marks)
+                for figure in ("rss_growth_mb", "registry_rows", "messages_per_s")
+            },
+            "rss_growth_mb_runs": [mark["rss_growth_mb"] for mark in marks],
+        }
+        for marks in zip(*(run["marks"] for run in runs), strict=True)
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -275,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pods", type=int, default=30_000, help="Distinct pod names in the flood.")
     parser.add_argument("--cases", default="victim,flood,fuzz", help="Which of: victim, flood, fuzz.")
     parser.add_argument("--fuzz-messages", type=int, default=200_000)
+    parser.add_argument("--fuzz-runs", type=int, default=1, help="fresh ingest processes; medians")
     parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "hostile.json")
     args = parser.parse_args(argv)
     cases = set(args.cases.split(","))
@@ -291,12 +310,17 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             ingest.close()
     if "fuzz" in cases:
-        ingest = Ingest()  # of its own: what it keeps is what the fuzz left
-        try:
-            report["fuzz"] = fuzz(ingest, args.fuzz_messages)
-            print(json.dumps(report["fuzz"], indent=2), flush=True)
-        finally:
-            ingest.close()
+        runs = []
+        for _ in range(args.fuzz_runs):
+            ingest = Ingest()  # of its own: what it keeps is what the fuzz left
+            try:
+                runs.append(fuzz(ingest, args.fuzz_messages))
+                print(json.dumps(runs[-1], indent=2), flush=True)
+            finally:
+                ingest.close()
+        report["fuzz"] = runs[0] if len(runs) == 1 else {"runs": runs, "medians": fuzz_medians(runs)}
+        if len(runs) > 1:
+            print(json.dumps(report["fuzz"]["medians"], indent=2), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     return report
