@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -67,19 +68,20 @@ VOCAB = 151_000
 # --- the pods' side --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One batch a pod publishes: its blocks continue its prompt's earlier batches."""
 
-    __slots__ = ("blocks_so_far", "event", "pod", "prompt_tokens", "seq")
+    pod: str
+    seq: int
+    event: BlockStored
+    prompt: tuple[int, ...]  # the whole prompt, shared by its batches
+    blocks_so_far: int  # of the prompt, this batch's included
 
-    def __init__(
-        self, pod: str, seq: int, event: BlockStored, prompt_tokens: tuple[int, ...], blocks_so_far: int
-    ):
-        self.pod = pod
-        self.seq = seq
-        self.event = event
-        self.prompt_tokens = prompt_tokens
-        self.blocks_so_far = blocks_so_far
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        """The prompt up to the end of this batch's blocks."""
+        return self.prompt[: self.blocks_so_far * BLOCK]
 
 
 def pod_stream(pod: str, batches: int, blocks_per_batch: int, batches_per_prompt: int, rng: random.Random):
@@ -94,7 +96,7 @@ def pod_stream(pod: str, batches: int, blocks_per_batch: int, batches_per_prompt
             event = BlockStored(
                 hashes, parent, tokens[first * BLOCK : last * BLOCK], BLOCK, None, "gpu", None, None
             )
-            stream.append(Batch(pod, len(stream), event, tokens[: last * BLOCK], last))
+            stream.append(Batch(pod, len(stream), event, tokens, last))
             parent = hashes[-1]
     return stream
 
