@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from ingest.management.commands.ingest import Housekeeping
 from ingest.stats import IngestStats
@@ -31,5 +33,35 @@ def test_groups_learned_before_the_pod_has_a_row_are_recorded_once_it_has_one(se
         housekeeping.run_once()
         pod = Pod.objects.get(pod_id="pod-a")
         assert [g["kind"] for g in pod.learned_kv_cache_groups] == ["full_attention", "sliding_window"]
+    finally:
+        housekeeping.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_writes_the_groups_of_the_pods_whose_groups_changed_only(settings):
+    """A round wrote the groups of every pod whenever one pod's changed: a query naming the whole
+    fleet each second, and under a flood of fuzzed groups a prepared statement per fleet size in
+    SQLite's cache (~12 MB in ``bench/hostile.py``'s fuzz)."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    stats = IngestStats()
+    housekeeping = Housekeeping(stats)
+    try:
+        for pod in ("pod-a", "pod-b", "pod-c"):
+            stats.learn_group(pod, MODEL, 1, "sliding_window", 512)
+            stream = stats.stream(pod, 0, MODEL)
+            stream.first_event_at = stream.last_event_at = time.time()
+        housekeeping.run_once()  # the rows
+        housekeeping.run_once()  # their groups
+        assert Pod.objects.exclude(learned_kv_cache_groups=[]).count() == 3
+        stats.learn_group("pod-b", MODEL, 2, "sliding_window", 1024)
+        with CaptureQueriesContext(connection) as queries:
+            housekeeping.run_once()
+        named = [q["sql"] for q in queries if "learned_kv_cache_groups" in q["sql"]]
+        assert named and all("pod-a" not in sql and "pod-c" not in sql for sql in named), named
+        assert len(Pod.objects.get(pod_id="pod-b").learned_kv_cache_groups) == 3
+        assert len(Pod.objects.get(pod_id="pod-a").learned_kv_cache_groups) == 2
+        with CaptureQueriesContext(connection) as queries:
+            housekeeping.run_once()  # nothing changed: nothing written
+        assert not [q for q in queries if "learned_kv_cache_groups" in q["sql"]]
     finally:
         housekeeping.close()
