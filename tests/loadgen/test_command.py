@@ -120,6 +120,26 @@ def test_the_demo_load_of_make_run_resets_its_fleet_and_scores_on_the_web_port(m
     assert options.score_url == "http://127.0.0.1:8123/api/v1/score"
 
 
+def test_the_demo_load_of_the_vllm_fleet_goes_through_the_gateway_with_its_block_size(monkeypatch):
+    procfile = Path(__file__).resolve().parents[2] / "Procfile"
+    line = next(line for line in procfile.read_text().splitlines() if line.startswith("vllmload:"))
+    pods = "--pod vllm-0=http://127.0.0.1:8300 --pod vllm-1=http://127.0.0.1:8301"  # as the Makefile says
+    monkeypatch.setenv("VLLM_PODS_ARGS", pods)
+    monkeypatch.setenv("VLLM_MODEL", "qwen3-41m-random")
+    for name in ("GATEWAY_PORT", "LOAD_QPS"):
+        monkeypatch.setenv(name, "4")
+    args = [
+        arg
+        for part in shlex.split(line.partition("manage.py loadgen")[2])
+        for arg in shlex.split(os.path.expandvars(part))
+    ]
+    options = Command().create_parser("manage.py", "loadgen").parse_args(args)
+    assert options.pod == ["vllm-0=http://127.0.0.1:8300", "vllm-1=http://127.0.0.1:8301"]
+    assert options.target == "http://127.0.0.1:4"
+    assert options.block_size == 32
+    assert not options.reset_prefix_cache  # vLLM resets its prefix cache in its dev mode only
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

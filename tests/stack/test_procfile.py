@@ -16,8 +16,23 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_project_procfile_stops_the_load_first_ingest_late_and_valkey_last():
     procfile = read_procfile(ROOT / "Procfile")
 
-    assert list(procfile.commands) == ["redis", "web", "ingest", "sim", "gateway", "loadgen"]
-    assert procfile.stop_order == (("loadgen",), ("sim",), ("web", "gateway"), ("ingest",), ("redis",))
+    assert list(procfile.commands) == [
+        "redis",
+        "web",
+        "ingest",
+        "sim",
+        "gateway",
+        "loadgen",
+        "vllm",
+        "vllmload",
+    ]
+    assert procfile.stop_order == (
+        ("loadgen", "vllmload"),
+        ("sim", "vllm"),
+        ("web", "gateway"),
+        ("ingest",),
+        ("redis",),
+    )
     assert procfile.essential == {"redis", "web", "ingest", "gateway"}
 
 
