@@ -413,6 +413,13 @@ class IngestPipeline:
             {(p, m, r): recorded.get((m, holder_id(p, r))) for p, m, r in self.engines() if p in pods}
         )
 
+    def pod_returned(self, pod: str) -> None:
+        """``pod`` answers its health probes again after being down: each of its engines is
+        checked for a restart meanwhile, before it sends (``ingest.resync``, ``returned``)."""
+        for p, model, rank in self.engines():
+            if p == pod:
+                self.pool.submit(CatchUp(pod, model, rank, returned=True))
+
     def forget_pod(self, pod: str) -> None:
         """Drop per-pod state everywhere (the pod was disabled, deleted or expired): it no longer
         holds a place in the receiver either."""

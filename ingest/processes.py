@@ -500,6 +500,7 @@ class ProcessShardPool:
                     str(fetched.failure) if fetched.failure else None,
                 ],
                 [item.recorded] if isinstance(item, Adopt) else None,
+                getattr(item, "returned", False),
             ]
         )
         self._send(p, [_CATCH_UP, body])  # if dropped (restarting), the restart sends it again
@@ -727,7 +728,7 @@ class _Worker:
                 return float(body)
 
     def _catch_up(self, body: bytes) -> CatchUp:
-        number, pod, model, rank, lost, fetched, adopt = msgpack.unpackb(body)
+        number, pod, model, rank, lost, fetched, adopt, returned = msgpack.unpackb(body)
         if adopt is not None:
             return Adopt(pod, model, rank, recorded=adopt[0])
         if fetched is not None:
@@ -735,7 +736,7 @@ class _Worker:
             failure = ReplayFailed(reason, message) if reason is not None else None
             fetched = Fetched(start, [(seq, payload) for seq, payload in batches], failure)
         done = functools.partial(self._caught_up, number) if number else None
-        return CatchUp(pod, model, rank, lost=lost, done=done, fetched=fetched)
+        return CatchUp(pod, model, rank, lost=lost, done=done, fetched=fetched, returned=returned)
 
     def _caught_up(self, number: int) -> None:
         self._done.append(number)

@@ -17,7 +17,13 @@ of an engine whose last applied seq is ``l`` (None: nothing applied, as far as t
 
 A :class:`CatchUp` asks an engine for everything after ``l`` without waiting for a live batch:
 on ingest start (batches sent while it was down) and after the index lost its data (``lost``:
-everything from seq 0; an engine that cannot replay is cleared and marked).
+everything from seq 0; an engine that cannot replay is cleared and marked). When a pod answers
+its health probes again after being down (``returned``), its engine may have restarted meanwhile
+with an empty cache, and a restart shows in its seqs only once it sends: until then its old
+blocks would be scored. So its replay is asked from ``l`` itself: batch ``l`` must be there, with
+the timestamp of the batch applied as ``l``, for the engine to be the same; then what follows is
+applied. Anything else (its buffer begins anew or later, no replay) counts as a restart: what the
+index holds of it is cleared, and it goes on as an engine nothing was applied of.
 
 One keeper per shard worker, so an engine's batches, replays and catch-ups are applied by one
 thread in order. Replays run on that thread, each bounded by the replay client's timeout.
@@ -67,6 +73,7 @@ class CatchUp:
     lost: bool = False
     done: Callable[[], None] | None = None
     fetched: Fetched | None = None
+    returned: bool = False  # the pod answers again after being down: did its engine restart?
 
 
 @dataclass(slots=True)
@@ -74,6 +81,7 @@ class _Engine:
     last: int | None  # the last seq applied; None: none as far as the index knows
     replayed_through: int = -1  # live batches up to this seq were applied from a catch-up
     take_next: bool = False  # its state is given up for lost: the next live batch starts afresh
+    last_ts: float | None = None  # the timestamp of batch ``last`` (which life of the engine sent it)
 
 
 class StreamKeeper:
@@ -132,7 +140,7 @@ class StreamKeeper:
         yield from self.applier.stage_steps(
             pod=pod, model=model, seq=seq, batch=batch, received_at=received_at
         )
-        engine.last, engine.take_next = seq, False
+        engine.last, engine.take_next, engine.last_ts = seq, False, batch.ts
 
     def catch_up(self, item: CatchUp) -> Iterator[None]:
         """Stage what engine ``item.rank`` of ``item.pod`` buffers beyond what was applied (a
@@ -140,6 +148,9 @@ class StreamKeeper:
         holder = holder_id(item.pod, item.rank)
         engine = self._engine(item.model, holder)
         stream = self.stats.stream(item.pod, item.rank, item.model)
+        returned = item.returned and not item.lost and engine.last is not None
+        if returned and not (yield from self._same_engine(item, engine, stream)):
+            return
         start = 0 if item.lost or engine.last is None else engine.last + 1
         prefetched = item.fetched if item.fetched is not None and item.fetched.start <= start else None
         through = yield from self._recover(
@@ -157,6 +168,43 @@ class StreamKeeper:
             engine.take_next = False
         elif item.lost:
             engine.last, engine.take_next = None, True
+
+    def _same_engine(
+        self, item: CatchUp, engine: _Engine, stream: StreamStats
+    ) -> Generator[None, None, bool]:
+        """Whether the engine that answers again is the one whose batch ``engine.last`` was
+        applied: its replay from that seq begins with it, same timestamp. If not, it restarted:
+        its blocks are cleared (``False``); what it sent since is then replayed from seq 0 when
+        its next live batch shows a gap."""
+        last = engine.last
+        assert last is not None
+        try:
+            if self.replay is None:
+                raise ReplayFailed("no_endpoint", "ingest runs without replay")
+            fetched = self.replay.fetch(item.pod, item.rank, last)
+        except ReplayFailed as e:
+            fetched, failure = [], e.with_traceback(None)  # without its traceback: see _recover
+        else:
+            failure = None
+        if fetched and fetched[0][0] == last and engine.last_ts is not None:
+            try:
+                if decode_batch(fetched[0][1], self.limits).ts == engine.last_ts:
+                    return True
+            except DecodeError as e:
+                stream.decode_errors[e.reason] += 1
+        stream.restarts += 1
+        yield from self.applier.clear_steps(model=item.model, holder=holder_id(item.pod, item.rank))
+        engine.last, engine.last_ts, engine.replayed_through, engine.take_next = None, None, -1, False
+        REPLAY_LOG.warning(
+            "returned",
+            "%.80s rank %d answers again and its batch %d is not the one applied (%s): it restarted; "
+            "its blocks were cleared",
+            item.pod,
+            item.rank,
+            last,
+            failure or (f"its buffer starts at seq {fetched[0][0]}" if fetched else "its buffer is empty"),
+        )
+        return False
 
     def skipped(self, *, pod: str, model: str, seq: int) -> None:
         """A live batch of ``pod`` that could not be decoded (counted elsewhere): its seq is
@@ -241,6 +289,7 @@ class StreamKeeper:
             yield from self.applier.stage_steps(
                 pod=pod, model=model, seq=seq, batch=batch, received_at=now, replayed=True
             )
+            self._engine(model, holder_id(pod, rank)).last_ts = batch.ts
         return run[-1][0] if run else None
 
 

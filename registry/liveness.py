@@ -12,7 +12,9 @@ the rounds' probes, never inside the event loop. Per pod:
 * **down**: its probes have failed without a break for ``down_seconds`` (from the start of the
   first failed probe). A down pod leaves scores like a disabled one (``ServiceConfig.down_pods``)
   but keeps its blocks in the index, so that it scores again the moment it answers;
-* **up**: one probe succeeded (also the first verdict on a pod that answers);
+* **up**: one probe succeeded (also the first verdict on a pod that answers); a pod up again
+  after being down goes to ``on_return`` too (its engine may have restarted meanwhile: ingest
+  checks before the pod's old blocks are scored, ``ingest.resync``);
 * **forgotten**: down for ``forget_seconds`` more (0: never): its blocks and those of its
   data-parallel ranks are cleared from the index, once per down spell. An engine gone that long has
   most likely restarted with an empty cache; a vLLM restart publishes no ``AllBlocksCleared``;
@@ -87,11 +89,13 @@ class LivenessSettings:
 
 @dataclass(frozen=True, slots=True)
 class HealthChange:
-    """``pod``'s health became ``health`` (one of ``HEALTHS``) at ``at`` (unix time)."""
+    """``pod``'s health became ``health`` (one of ``HEALTHS``) at ``at`` (unix time), from
+    ``previous``."""
 
     pod: str
     health: str
     at: float
+    previous: str = "unknown"
 
 
 @dataclass(slots=True)
@@ -148,8 +152,10 @@ class LivenessProber:
         on_change: Callable[[list[HealthChange]], object] | None = None,
         settings: LivenessSettings | None = None,
         quiet: Callable[[], Collection[str]] | None = None,
+        on_return: Callable[[str], object] | None = None,
     ) -> None:
         self.targets = targets
+        self.on_return = on_return  # a pod answers again after being down (it may have restarted)
         self.quiet = quiet  # pods ingest has had no event from for a while: up, or busy?
         self.index = index
         self.on_change = on_change
@@ -315,7 +321,7 @@ class LivenessProber:
                 tracked = self._tracked.get(pod)
                 if tracked is not None and tracked.health == health != wanted:
                     tracked.health = wanted
-                    changes.append(HealthChange(pod, wanted, now))
+                    changes.append(HealthChange(pod, wanted, now, health))
         return changes
 
     async def _requests_all(
@@ -399,15 +405,15 @@ class LivenessProber:
             tracked.failing_since = tracked.down_since = None
             tracked.forgotten = False
             if tracked.health not in ("up", "busy"):  # busy or not: _judge_busy says
-                tracked.health = "up"
-                return HealthChange(pod, "up", time.time())
+                previous, tracked.health = tracked.health, "up"
+                return HealthChange(pod, "up", time.time(), previous)
             return None
         if tracked.failing_since is None:
             tracked.failing_since = started
         now = time.monotonic()
         if tracked.health != "down" and now - tracked.failing_since >= self.settings.down_seconds:
-            tracked.health, tracked.down_since = "down", now
-            return HealthChange(pod, "down", time.time())
+            previous, tracked.health, tracked.down_since = tracked.health, "down", now
+            return HealthChange(pod, "down", time.time(), previous)
         return None
 
     def _forget_due(self) -> None:
@@ -434,6 +440,11 @@ class LivenessProber:
 
     def _report(self, changes: list[HealthChange]) -> None:
         for change in changes:
+            if change.previous == "down" and change.health in ("up", "busy") and self.on_return is not None:
+                try:
+                    self.on_return(change.pod)
+                except Exception:
+                    log.exception("could not act on pod %s answering again", change.pod)
             self._unreported[change.pod] = change
         if not self._unreported or self.on_change is None:
             self._unreported.clear()

@@ -441,6 +441,53 @@ def test_an_engine_restart_clears_what_it_held_before(fx: Fixture) -> None:
     assert fx.held(engine) == 1
 
 
+def test_a_pod_back_after_an_unseen_restart_has_its_old_blocks_cleared_before_it_sends(fx: Fixture) -> None:
+    """A restart shows in an engine's seqs only once it sends again: until then its old blocks
+    were scored (a real vLLM engine killed and restarted, tests/vllm/). When the prober sees the
+    pod answer again, ingest asks its replay from the last seq applied: a new engine's buffer
+    does not hold that batch."""
+    engine = fx.engine("pod-a")
+    engine.store()
+    fx.sync(engine)
+    assert fx.held(engine) == 2
+    engine.publisher.next_seq = 0  # a new engine process, not heard from yet: seqs from 0, empty cache
+    engine.publisher._buffer.clear()
+    engine.chain = []
+
+    fx.pipeline.pod_returned("pod-a")
+    wait_until(lambda: fx.held(engine) == 0, timeout=10, what="pod-a's old blocks cleared")
+    assert fx.stream("pod-a").restarts == 1
+    engine.store()  # its first batch, seq 0, is applied as the first of an engine
+    fx.sync(engine)
+    assert fx.held(engine) == 1 and fx.recoveries("pod-a")[0] == 0  # no gap: seq 0 was expected
+
+
+def test_a_pod_back_without_a_restart_keeps_its_blocks_and_gets_what_it_sent_meanwhile(fx: Fixture) -> None:
+    engine = fx.engine("pod-a")
+    engine.store()
+    fx.sync(engine)
+    engine.store(lost=True)  # sent while the pod was unreachable
+    engine.store(lost=True)
+
+    fx.pipeline.pod_returned("pod-a")
+    fx.sync(engine)
+    stream = fx.stream("pod-a")
+    assert fx.held(engine) == 4
+    assert (stream.restarts, stream.lost_state_clears, fx.recoveries("pod-a")[2]) == (0, 0, 2)
+
+
+def test_a_pod_back_that_cannot_replay_is_taken_for_restarted(fx: Fixture) -> None:
+    """Without a replay nothing proves it is the same engine: cleared (the index may miss blocks,
+    never score stale ones)."""
+    engine = fx.engine("pod-a", replay=False)
+    engine.store()
+    fx.sync(engine)
+
+    fx.pipeline.pod_returned("pod-a")
+    wait_until(lambda: fx.held(engine) == 0, timeout=10, what="pod-a cleared")
+    assert fx.stream("pod-a").restarts == 1
+
+
 def test_after_an_ingest_restart_what_was_sent_meanwhile_is_replayed(fx: Fixture) -> None:
     a, b = fx.engine("pod-a"), fx.engine("pod-b")
     a.store()

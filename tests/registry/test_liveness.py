@@ -196,9 +196,11 @@ def blocks_of(index: KVIndex, pod: str) -> int:
 
 def test_a_pod_that_stops_serving_is_down_after_down_seconds_and_up_again_once_it_serves(fleet):
     changes: list[HealthChange] = []
+    returned: list[str] = []
     prober = LivenessProber(
         targets=lambda: {"sim-0": fleet.address(0), "sim-1": fleet.address(1)},
         on_change=changes.extend,
+        on_return=returned.append,
         settings=FAST,
     )
     prober.start()
@@ -216,12 +218,13 @@ def test_a_pod_that_stops_serving_is_down_after_down_seconds_and_up_again_once_i
         wait_until(lambda: prober.health()["sim-1"] == "up", timeout=5, what="sim-1 up again")
     finally:
         prober.stop()
-    assert [(c.pod, c.health) for c in changes] == [
-        ("sim-0", "up"),
-        ("sim-1", "up"),
-        ("sim-1", "down"),
-        ("sim-1", "up"),
+    assert [(c.pod, c.previous, c.health) for c in changes] == [
+        ("sim-0", "unknown", "up"),
+        ("sim-1", "unknown", "up"),
+        ("sim-1", "up", "down"),
+        ("sim-1", "down", "up"),
     ]
+    assert returned == ["sim-1"]  # back after being down (its engine may have restarted): only then
     assert prober.stats.failures["connect"] > 0
 
 

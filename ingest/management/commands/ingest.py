@@ -175,7 +175,12 @@ class Command(BaseCommand):
         )
         stats = pipeline.stats
         replica = join_replica(options["replica"], pipeline) if options["replica"] is not None else None
-        prober = liveness_prober(index, stats, foreign=(lambda: replica.holding.foreign) if replica else None)
+        prober = liveness_prober(
+            index,
+            stats,
+            foreign=(lambda: replica.holding.foreign) if replica else None,
+            on_return=pipeline.pod_returned,
+        )
         if options["metrics_port"] is not None:
             registry = CollectorRegistry()
             registry.register(IngestStatsCollector(stats))
@@ -484,11 +489,16 @@ def quiet_pods(stats: IngestStats) -> set[str]:
 
 
 def liveness_prober(
-    index: KVIndex, stats: IngestStats, *, foreign: Callable[[], Collection[str]] | None = None
+    index: KVIndex,
+    stats: IngestStats,
+    *,
+    foreign: Callable[[], Collection[str]] | None = None,
+    on_return: Callable[[str], object] | None = None,
 ) -> LivenessProber | None:
     """The pod prober of this process: it probes the registry's enabled pods that have an address
     and writes their health back (``KVCACHE_POD_*``); ``None`` when KVCACHE_POD_DOWN_SECONDS is 0.
-    ``foreign``: the pods another ingest replica holds (and probes), left out."""
+    ``foreign``: the pods another ingest replica holds (and probes), left out. ``on_return``: a
+    pod answers again after being down (the pipeline checks its engines did not restart)."""
     if settings.KVCACHE_POD_DOWN_SECONDS <= 0:
         return None
 
@@ -504,6 +514,7 @@ def liveness_prober(
         quiet=lambda: quiet_pods(stats),
         index=index,
         on_change=set_pod_health,
+        on_return=on_return,
         settings=LivenessSettings(
             down_seconds=settings.KVCACHE_POD_DOWN_SECONDS,
             forget_seconds=settings.KVCACHE_POD_FORGET_SECONDS,
