@@ -40,6 +40,7 @@ help:
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
 	@echo "make bench-peers - the peer routers (vllm-router, sglang-router) into var/peers"
 	@echo "make conformance - vLLM 0.33's own KV-cache manager and publisher against ingest and scoring"
+	@echo "make e2e-vllm - the end-to-end suite through the gateway to two real vLLM engines"
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -84,10 +85,11 @@ node-deps:
 	fi
 
 # Lint first: a tree that is not ruff-clean fails the suite (it once failed on main).
-# The suite runs the peer routers too (tests/simulator/test_peers.py): ~25 s to install once.
+# The suite runs the peer routers too (tests/simulator/test_peers.py): ~25 s to install once; and
+# real vLLM engines (tests/vllm/, `make e2e-vllm`): about a minute to install once, 1.5 to run.
 # `make test`: lint, the suite (tests/), then `make conformance` (vLLM 0.33's own block manager
 # against ingest and scoring: about a minute, plus its venv's install the first time).
-test: install system-deps bench-peers lint
+test: install system-deps bench-peers vllm-engines lint
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory conformance
 
@@ -198,6 +200,12 @@ $(VLLM_MODEL_DIR)/config.json: engines/prepare.py $(VLLM_VENV)/.installed | $(VE
 	  --tokenizer "$$($(PY) -c 'from tokenization.tokenizers import qwen_package_tokenizer_dir as d; print(d())')"
 
 vllm-engines: $(VLLM_VENV)/.installed $(VLLM_MODEL_DIR)/config.json
+
+# `make e2e-vllm`: the end-to-end suite against two real engines behind the stack (tests/vllm/,
+# bench/vllm_system.py), alone; `make test` runs it with the rest.
+.PHONY: e2e-vllm
+e2e-vllm: install vllm-engines
+	$(PY) -m pytest tests/vllm
 
 # `make conformance`: vLLM 0.33.0's own KVCacheManager and ZmqEventPublisher (three pods per
 # scenario) publish into a running `ingest`; per request and pod, our score must equal the blocks

@@ -69,6 +69,7 @@ class EngineSpec:
     core: int | None = None
     hash_seed: str = DEFAULT_SEED
     host: str = "127.0.0.1"
+    dev_mode: bool = False  # vLLM's development endpoints, POST /reset_prefix_cache among them
 
     @property
     def address(self) -> str:
@@ -147,6 +148,8 @@ class EngineSpec:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         return env
 
 

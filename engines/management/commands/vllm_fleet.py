@@ -12,8 +12,8 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from engines.fleet import EngineError, EngineSpec, engine_env_seed, start_engines
-from registry.models import ModelConfig
-from registry.services import current_hash_seed, register_pods, save_model_config
+from engines.registration import register_engines
+from registry.services import current_hash_seed
 
 DEFAULT_MODEL = "qwen3-41m-random"
 
@@ -81,7 +81,16 @@ class Command(BaseCommand):
             )
             for i in range(options["pods"])
         ]
-        self._register_model(specs[0])
+        model = {
+            "model": specs[0].model,
+            "model_dir": model_dir,
+            "block_size": specs[0].block_size,
+            "max_model_len": specs[0].max_model_len,
+        }
+        try:
+            register_engines(**model, engines=[])  # the model first: its tokenizer must load
+        except ValidationError as error:
+            raise CommandError(f"cannot register the model {specs[0].model}: {error}") from None
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -93,12 +102,12 @@ class Command(BaseCommand):
                 vllm=options["vllm"],
                 var=Path(settings.VAR_DIR) / "vllm-run",
                 timeout=options["start_timeout"],
-                out=self.stdout._out,
+                out=self.stdout,
             )
         except EngineError as error:
             raise CommandError(str(error)) from None
         try:
-            register_pods((s.pod, s.model, s.address, s.replay_endpoint) for s in specs)
+            register_engines(**model, engines=[(s.pod, s.address, s.replay_endpoint) for s in specs])
             for s in specs:
                 self.stdout.write(
                     f"  {s.pod}  {s.url}  replay {s.replay_endpoint}  core {s.core}  registered"
@@ -112,18 +121,6 @@ class Command(BaseCommand):
             for engine in engines:
                 engine.stop()
             self.stdout.write("vLLM engines stopped")
-
-    def _register_model(self, spec: EngineSpec) -> None:
-        """The served model's config: the engines' block size, the model's own tokenizer (and
-        chat template), its context length."""
-        config = ModelConfig.objects.filter(name=spec.model).first() or ModelConfig(name=spec.model)
-        config.block_size = spec.block_size
-        config.tokenizer_source = str(spec.model_dir)
-        config.max_model_len = spec.max_model_len
-        try:
-            save_model_config(config)
-        except ValidationError as error:
-            raise CommandError(f"cannot register the model {spec.model}: {error}") from None
 
 
 def _cores() -> list[int]:
