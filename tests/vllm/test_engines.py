@@ -9,25 +9,10 @@ import random
 
 import pytest
 
-from bench.faults import wait_for
+from bench.faults import WORDS, wait_for
 from bench.vllm_system import BLOCK_SIZE, Answer, VllmSystem
 
 pytestmark = pytest.mark.slow
-
-WORDS = [
-    "cache",
-    "block",
-    "prefix",
-    "token",
-    "engine",
-    "router",
-    "model",
-    "latency",
-    "memory",
-    "request",
-    "answer",
-    "prompt",
-]
 
 
 def words(rng: random.Random, n: int) -> str:
