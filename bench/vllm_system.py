@@ -29,10 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+import redis  # noqa: E402
 
 from bench.faults import Valkey, free_port, project_env, wait_for  # noqa: E402
 from engines.fleet import BLOCK_SIZE, Engine, EngineSpec, start_engines  # noqa: E402
 from kvindex import open_index  # noqa: E402
+from kvindex.shared_stats import read_snapshots  # noqa: E402
 
 MODEL = "qwen3-41m-random"
 SEED = "42"  # project_env's: an integer, so the engines take it as PYTHONHASHSEED
@@ -115,7 +117,7 @@ class VllmSystem:
         self._logs = self.tmp / "logs"
         self._logs.mkdir(exist_ok=True)
         try:
-            self.register(engines=[])  # the model first: its config is there when ingest starts
+            self.register_model()  # first: its config is there when ingest starts
             self.start("ingest")
             if serving:
                 self.start("web")
@@ -127,7 +129,7 @@ class VllmSystem:
                 self.engines[engine.spec.pod] = engine
             # The engines once they answer (as manage.py vllm_fleet does): probed before, they
             # would be marked down while starting, and the first requests refused.
-            self.register(engines=list(self.specs.values()))
+            self.register_engines()
             self.client = httpx.Client(timeout=120)
             if serving:
                 wait_for(self._serving, timeout=60, what="the web server and the gateway", every=0.2)
@@ -138,16 +140,21 @@ class VllmSystem:
 
     # --- processes ---------------------------------------------------------------------------
 
-    def register(self, *, engines: list[EngineSpec]) -> None:
-        """The model and ``engines`` into the registry (``engines.registration``)."""
-        rows = [(s.pod, s.address, s.replay_endpoint) for s in engines]
-        self.manage(
-            "shell",
-            "-c",
-            "from engines.registration import register_engines; "
-            f"register_engines(model={MODEL!r}, model_dir={str(MODEL_DIR)!r}, block_size={BLOCK_SIZE}, "
-            f"max_model_len=4096, engines={rows!r})",
+    def register_model(self) -> None:
+        """The served model's config (``engines.registration``)."""
+        self.shell(
+            "from engines.registration import register_model; "
+            f"register_model(model={MODEL!r}, model_dir={str(MODEL_DIR)!r}, block_size={BLOCK_SIZE}, "
+            "max_model_len=4096)"
         )
+
+    def register_engines(self) -> None:
+        """Every engine, with its address and replay endpoint (``registry.services``)."""
+        rows = [(s.pod, MODEL, s.address, s.replay_endpoint) for s in self.specs.values()]
+        self.shell(f"from registry.services import register_pods; register_pods({rows!r})")
+
+    def shell(self, code: str) -> None:
+        self.manage("shell", "-c", code)
 
     def manage(self, *args: str) -> None:
         subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, check=True)
@@ -217,13 +224,7 @@ class VllmSystem:
         return url
 
     def stop_gateways(self) -> None:
-        for gateway in self.gateways:
-            gateway.send_signal(signal.SIGTERM)
-        for gateway in self.gateways:
-            try:
-                gateway.wait(20)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
+        _terminate(self.gateways)
         self.gateways.clear()
 
     @property
@@ -257,13 +258,7 @@ class VllmSystem:
         for engine in self.engines.values():
             engine.stop(grace=10)
         self.engines.clear()
-        for proc in self.procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _terminate(list(self.procs.values()))
         self.procs.clear()
         if hasattr(self, "client"):
             self.client.close()
@@ -348,15 +343,22 @@ class VllmSystem:
 
     def stats(self) -> list[dict]:
         """Ingest's streams, as it publishes them (``kvindex.shared_stats``)."""
-        import redis
-
-        from kvindex.shared_stats import STATS_KEY
-
         client = redis.Redis.from_url(self.valkey.url)
         try:
-            return [s for raw in client.hgetall(STATS_KEY).values() for s in json.loads(raw)["streams"]]
+            return [stream for snapshot in read_snapshots(client) for stream in snapshot["streams"]]
         finally:
             client.close()
+
+
+def _terminate(procs: list[subprocess.Popen], *, grace: float = 20.0) -> None:
+    """SIGTERM to all, then wait for each; SIGKILL to one not gone after ``grace`` seconds."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def main() -> None:

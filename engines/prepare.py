@@ -63,8 +63,8 @@ def make_model(out: Path, tokenizer: Path, *, seed: int = 0) -> None:
         vocab_size=(vocab + 127) // 128 * 128,  # padded, as Qwen3's own checkpoints are
         torch_dtype="bfloat16",
         tie_word_embeddings=True,
-        eos_token_id=_token_id(tokenizer, config["eos_token"]),
-        pad_token_id=_token_id(tokenizer, config["pad_token"]),
+        eos_token_id=_token_id(config, config["eos_token"]),
+        pad_token_id=_token_id(config, config["pad_token"]),
         **MODEL_SHAPE,
     )
     model = Qwen3ForCausalLM(model_config).to(torch.bfloat16)
@@ -77,12 +77,12 @@ def make_model(out: Path, tokenizer: Path, *, seed: int = 0) -> None:
     building.rename(out)
 
 
-def _token_id(tokenizer: Path, token: str) -> int:
-    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+def _token_id(config: dict, token: str) -> int:
+    """``token``'s id among the added tokens of a ``tokenizer_config.json``."""
     for token_id, added in config.get("added_tokens_decoder", {}).items():
         if added["content"] == token:
             return int(token_id)
-    raise SystemExit(f"{token!r} is not an added token of {tokenizer}")
+    raise SystemExit(f"{token!r} is not an added token of the tokenizer")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -178,14 +178,7 @@ class StreamKeeper:
         its next live batch shows a gap."""
         last = engine.last
         assert last is not None
-        try:
-            if self.replay is None:
-                raise ReplayFailed("no_endpoint", "ingest runs without replay")
-            fetched = self.replay.fetch(item.pod, item.rank, last)
-        except ReplayFailed as e:
-            fetched, failure = [], e.with_traceback(None)  # without its traceback: see _recover
-        else:
-            failure = None
+        fetched, failure = self._fetch(item.pod, item.rank, last)
         if fetched and fetched[0][0] == last and engine.last_ts is not None:
             try:
                 if decode_batch(fetched[0][1], self.limits).ts == engine.last_ts:
@@ -242,19 +235,11 @@ class StreamKeeper:
         cover what was missed, the engine is cleared and marked: always when the buffer no
         longer reaches back to ``start``, and when it could not be read if ``must_cover``
         (batches are known to be missing)."""
-        failure = None
         if prefetched is not None:
             fetched = [b for b in prefetched.batches if b[0] >= start]
             failure = prefetched.failure
         else:
-            try:
-                if self.replay is None:
-                    raise ReplayFailed("no_endpoint", "ingest runs without replay")
-                fetched = self.replay.fetch(pod, rank, start)
-            except ReplayFailed as e:
-                # Without its traceback: the traceback holds this frame, which would hold the
-                # exception, a cycle that outlives the frame when the pipeline freezes it (gc).
-                fetched, failure = [], e.with_traceback(None)
+            fetched, failure = self._fetch(pod, rank, start)
         if before is not None:
             fetched = [b for b in fetched if b[0] < before]
         run = _unbroken_tail(fetched)
@@ -291,6 +276,18 @@ class StreamKeeper:
             )
             self._engine(model, holder_id(pod, rank)).last_ts = batch.ts
         return run[-1][0] if run else None
+
+    def _fetch(self, pod: str, rank: int, start: int) -> tuple[Batches, ReplayFailed | None]:
+        """Engine ``rank`` of ``pod``'s buffered batches from seq ``start``, or why not. The
+        failure is kept without its traceback: the traceback holds the caller's frame, which
+        would hold the exception, a cycle that outlives the frame when the pipeline freezes it
+        (gc)."""
+        try:
+            if self.replay is None:
+                raise ReplayFailed("no_endpoint", "ingest runs without replay")
+            return self.replay.fetch(pod, rank, start), None
+        except ReplayFailed as e:
+            return [], e.with_traceback(None)
 
 
 def _unbroken_tail(batches: Batches) -> Batches:

@@ -12,8 +12,8 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from engines.fleet import EngineError, EngineSpec, engine_env_seed, start_engines
-from engines.registration import register_engines
-from registry.services import current_hash_seed
+from engines.registration import register_model
+from registry.services import current_hash_seed, register_pods
 
 DEFAULT_MODEL = "qwen3-41m-random"
 
@@ -81,14 +81,13 @@ class Command(BaseCommand):
             )
             for i in range(options["pods"])
         ]
-        model = {
-            "model": specs[0].model,
-            "model_dir": model_dir,
-            "block_size": specs[0].block_size,
-            "max_model_len": specs[0].max_model_len,
-        }
-        try:
-            register_engines(**model, engines=[])  # the model first: its tokenizer must load
+        try:  # the model first: its tokenizer must load
+            register_model(
+                model=specs[0].model,
+                model_dir=model_dir,
+                block_size=specs[0].block_size,
+                max_model_len=specs[0].max_model_len,
+            )
         except ValidationError as error:
             raise CommandError(f"cannot register the model {specs[0].model}: {error}") from None
         stop = threading.Event()
@@ -107,7 +106,7 @@ class Command(BaseCommand):
         except EngineError as error:
             raise CommandError(str(error)) from None
         try:
-            register_engines(**model, engines=[(s.pod, s.address, s.replay_endpoint) for s in specs])
+            register_pods((s.pod, s.model, s.address, s.replay_endpoint) for s in specs)
             for s in specs:
                 self.stdout.write(
                     f"  {s.pod}  {s.url}  replay {s.replay_endpoint}  core {s.core}  registered"
