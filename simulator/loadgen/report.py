@@ -285,7 +285,7 @@ def _cell(key: str, value) -> str:
     if key.startswith(("ttft_s", "e2e_s")):
         return f"{value:.3f}"
     if key == "qps":
-        return "inf" if math.isinf(value) else f"{value:g}"
+        return "inf" if math.isinf(value) else f"{value:.3g}"
     if isinstance(value, float):
         return f"{value:,.1f}"
     return str(value)

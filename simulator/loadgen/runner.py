@@ -31,9 +31,10 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from urllib.parse import urlsplit
 
 import httpx
@@ -50,6 +51,7 @@ from simulator.loadgen.routers import (
     ScoreUnavailable,
     make_router,
 )
+from simulator.loadgen.trace import PromptBuilder, TraceRequest, TraceSpec, arrivals, load_window, own_rate
 from simulator.loadgen.workload import (
     Conversation,
     Turn,
@@ -57,6 +59,7 @@ from simulator.loadgen.workload import (
     answer_suffix,
     completion_body,
     flat_prompt,
+    request_body,
     score_query,
     system_prompt,
     turn_stream,
@@ -67,7 +70,7 @@ DEFAULT_SCORE_URL = "http://127.0.0.1:8000/api/v1/score"
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 
 Progress = Callable[[RequestRecord], None]
-ProgressFactory = Callable[[str, float, int | None], AbstractContextManager[Progress | None]]
+ProgressFactory = Callable[[str, float | None, int | None], AbstractContextManager[Progress | None]]
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,9 @@ class LoadgenConfig:
     one JSON answer per request (no TTFT then).
     ``block_size`` (tokens per KV block) turns a target's ``x-kvcache-matched-blocks`` into
     predicted cached tokens. ``reset_prefix_cache`` empties every pod's prefix cache before each
-    step (then waits ``settle`` seconds); off by default, never implied.
+    step (then waits ``settle`` seconds); off by default, never implied. ``trace`` replays a
+    trace file (:mod:`simulator.loadgen.trace`) instead of the generated ``workload``: each
+    request with its own prompt and output length (``max_tokens`` when the trace has none).
     """
 
     pods: dict[str, str] = field(default_factory=dict)
@@ -107,6 +112,7 @@ class LoadgenConfig:
     label: str | None = None
     stream: bool = True
     block_size: int = 16
+    trace: TraceSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.pods and self.target is None:
@@ -228,20 +234,26 @@ async def run_step(
     config: LoadgenConfig,
     *,
     router: str | None = None,
-    qps: float,
+    qps: float | None,
     requests: int | None = None,
     duration: float | None = None,
     progress: Progress | None = None,
 ) -> StepResult:
     """One router (or, with ``config.target``, the target; then no ``router``) at one QPS.
     Stops issuing after ``requests`` requests or ``duration`` seconds (whichever first; one pass
-    of the workload when neither is given), then waits for the requests in flight."""
+    of the workload, or the whole trace, when neither is given), then waits for the requests in
+    flight. A trace is replayed at its own pace with ``qps`` None (the step's QPS is then the
+    trace's own mean rate), else with its gaps scaled to a mean of ``qps``."""
     if (router is None) == (config.target is None):
         raise ValueError("give a router, or a target in the config, not both or neither")
-    if requests is None and duration is None:
-        requests = config.workload.requests_per_pass
-    if requests is None and math.isinf(qps):
-        raise ValueError("an infinite QPS needs a request count, not a duration")
+    trace = load_window(config.trace) if config.trace is not None else None
+    if trace is None:
+        if qps is None:
+            raise ValueError("only a trace has a pace of its own: give a QPS")
+        if requests is None and duration is None:
+            requests = config.workload.requests_per_pass
+        if requests is None and math.isinf(qps):
+            raise ValueError("an infinite QPS needs a request count, not a duration")
     limits = httpx.Limits(max_connections=config.concurrency + 2 * len(config.pods) + 8)
     timeout = httpx.Timeout(config.timeout, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
@@ -257,7 +269,13 @@ async def run_step(
             notes.append("prefix caches not reset: the hit rate counts what the pods held before the run")
         before = await scrape_fleet(client, config.pods)
         run = _Run(config, client, router)
-        await run.drive(qps=qps, requests=requests, duration=duration, progress=progress)
+        if trace is not None:
+            notes.append(_trace_note(config.trace, trace, qps))
+            jobs = run.trace_jobs(trace, qps)
+            qps = own_rate(trace) if qps is None else qps
+        else:
+            jobs = run.workload_jobs(qps)
+        await run.drive(jobs, requests=requests, duration=duration, progress=progress)
         after = await scrape_fleet(client, config.pods)
     silent = [pod for pod in config.pods if before[pod] is None or after[pod] is None]
     if silent:
@@ -279,6 +297,19 @@ async def run_step(
         target=config.target,
         block_size=config.block_size,
     )
+
+
+def _trace_note(spec: TraceSpec, trace: list[TraceRequest], qps: float | None) -> str:
+    pace = "at its own pace" if qps is None else f"rescaled to {qps:g} qps"
+    return (
+        f"trace {spec.path}: {len(trace)} requests from {spec.start:g} s, own rate "
+        f"{own_rate(trace):.2f} qps, replayed {pace}; {spec.block_tokens} tokens per block of "
+        f"{spec.block_size}, outputs x {spec.output_scale:g}"
+    )
+
+
+Job = Callable[[], Awaitable[None]]
+"""A request of a run, started at its arrival time (what it sends is decided then)."""
 
 
 class _Run:
@@ -313,6 +344,7 @@ class _Run:
         self.reuse = PrefixReuse()
         self.records: list[RequestRecord] = []
         self.start = 0.0
+        self.progress: Progress | None = None
         self._system_prompts: dict[int, str] = {}
 
     async def _fetch_scores(self, query: dict) -> Scores:
@@ -325,62 +357,99 @@ class _Run:
         )
 
     async def drive(
-        self, *, qps: float, requests: int | None, duration: float | None, progress: Progress | None
+        self,
+        jobs: Iterator[tuple[float, Job]],
+        *,
+        requests: int | None,
+        duration: float | None,
+        progress: Progress | None,
     ) -> None:
+        """Starts each job at its time (seconds from now) until ``requests`` were started or
+        ``duration`` seconds passed, then waits for all of them."""
+        self.progress = progress
         self.start = time.perf_counter()
-        turns = turn_stream(self.config.workload)
         tasks = []
-        for issued, at in enumerate(arrival_times(self.config.seed, qps)):
+        for issued, (at, job) in enumerate(jobs):
             if (requests is not None and issued >= requests) or (duration is not None and at >= duration):
                 break
             delay = self.start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            turn = next(turns)
-            session = self.sessions.get(turn.session)
-            if session is None:
-                if turn.group not in self._system_prompts:
-                    self._system_prompts[turn.group] = system_prompt(self.config.workload, turn.group)
-                session = self.sessions[turn.session] = _Session(
-                    Conversation(self._system_prompts[turn.group])
-                )
-            wait_for, done = session.previous_done, asyncio.Event()
-            session.previous_done = done
-            tasks.append(asyncio.create_task(self._one(turn, session, wait_for, done, progress)))
+            tasks.append(asyncio.create_task(job()))
         await asyncio.gather(*tasks)
 
+    def workload_jobs(self, qps: float) -> Iterator[tuple[float, Job]]:
+        """The generated workload's turns, at Poisson arrivals of rate ``qps``."""
+        turns = turn_stream(self.config.workload)
+        for at in arrival_times(self.config.seed, qps):
+            yield at, partial(self._next_turn, turns)
+
+    def trace_jobs(self, trace: list[TraceRequest], qps: float | None) -> Iterator[tuple[float, Job]]:
+        """The trace's requests at its own times (``qps`` None) or rescaled to ``qps``."""
+        builder = PromptBuilder(self.config.trace, self.config.seed)
+        for seq, (request, at) in enumerate(zip(trace, arrivals(trace, qps), strict=True)):
+            yield at, partial(self._replay, seq, request, builder)
+
+    def _next_turn(self, turns: Iterator[Turn]) -> Awaitable[None]:
+        """The next turn of the workload, in its session (created on its first turn)."""
+        turn = next(turns)
+        session = self.sessions.get(turn.session)
+        if session is None:
+            if turn.group not in self._system_prompts:
+                self._system_prompts[turn.group] = system_prompt(self.config.workload, turn.group)
+            session = self.sessions[turn.session] = _Session(Conversation(self._system_prompts[turn.group]))
+        wait_for, done = session.previous_done, asyncio.Event()
+        session.previous_done = done
+        return self._one(turn, session, wait_for, done)
+
     async def _one(
-        self,
-        turn: Turn,
-        session: _Session,
-        wait_for: asyncio.Event | None,
-        done: asyncio.Event,
-        progress: Progress | None,
+        self, turn: Turn, session: _Session, wait_for: asyncio.Event | None, done: asyncio.Event
     ) -> None:
+        config = self.config
         try:
             if wait_for is not None:
                 await wait_for.wait()
+            body = completion_body(
+                model=config.model,
+                max_tokens=config.max_tokens,
+                chat=config.chat,
+                conversation=session.conversation,
+                user=turn.user,
+                stream=config.stream,
+            )
             async with self.slots:
-                record = await self._send(turn, session)
-            self.records.append(record)
-            if progress is not None:
-                progress(record)
+                record, text = await self._send(turn.seq, turn.session, turn.turn, body)
+            if record.ok:
+                session.conversation.record(turn.user, text)
+            self._done(record)
         finally:
             done.set()
             if turn.last:
                 self.sessions.pop(turn.session, None)
 
-    async def _send(self, turn: Turn, session: _Session) -> RequestRecord:
+    async def _replay(self, seq: int, request: TraceRequest, builder: PromptBuilder) -> None:
         config = self.config
-        body = completion_body(
+        prompt = builder.prompt(request)
+        body = request_body(
             model=config.model,
-            max_tokens=config.max_tokens,
-            chat=config.chat,
-            conversation=session.conversation,
-            user=turn.user,
+            max_tokens=builder.output_tokens(request, config.max_tokens),
+            messages=[{"role": "user", "content": prompt}] if config.chat else None,
+            prompt=None if config.chat else prompt,
             stream=config.stream,
         )
-        request = RouteRequest(id=turn.seq, score_query=score_query(body, self.pods))
+        async with self.slots:
+            record, _ = await self._send(seq, f"trace-{request.line}", 0, body)
+        self._done(record)
+
+    def _done(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        if self.progress is not None:
+            self.progress(record)
+
+    async def _send(self, seq: int, session: str, turn: int, body: dict) -> tuple[RequestRecord, str]:
+        """Routes and sends one request; its record and the answer's text."""
+        config = self.config
+        request = RouteRequest(id=seq, score_query=score_query(body, self.pods))
         routing = time.perf_counter()
         if self.observe:
             try:
@@ -393,9 +462,7 @@ class _Run:
         sent = time.perf_counter()
         if chosen is None:  # the target's: our gateway takes the scoring API's keys
             headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
-            completion = await send_completion(
-                self.client, config.endpoint(seq=turn.seq), body, headers=headers
-            )
+            completion = await send_completion(self.client, config.endpoint(seq=seq), body, headers=headers)
         else:
             self.in_flight.start(chosen)
             try:
@@ -405,15 +472,14 @@ class _Run:
         # Loadgen's choice, else the pod the target named (None: unknown).
         pod = chosen if chosen is not None else completion.pod
         if completion.ok:
-            session.conversation.record(turn.user, completion.text)
             self.reuse.observe(flat_prompt(body), answer_suffix(body, completion.text))
         best = None
         if pod is not None and scores is not None and scores.best() > 0:
             best = scores.is_best(pod)
-        return RequestRecord(
-            seq=turn.seq,
-            session=turn.session,
-            turn=turn.turn,
+        record = RequestRecord(
+            seq=seq,
+            session=session,
+            turn=turn,
             pod=pod,
             ok=completion.ok,
             error=completion.error,
@@ -428,6 +494,7 @@ class _Run:
             done_at=time.perf_counter() - self.start,
             matched_blocks=completion.matched_blocks,
         )
+        return record, completion.text
 
     @property
     def score_error(self) -> str | None:
@@ -441,7 +508,7 @@ async def run_ladder(
     config: LoadgenConfig,
     *,
     routers: list[str] | None = None,
-    qps: list[float],
+    qps: list[float | None],
     requests: int | None = None,
     duration: float | None = None,
     progress: ProgressFactory | None = None,
@@ -468,19 +535,23 @@ async def run_ladder(
     return results
 
 
-def _expected(config: LoadgenConfig, qps: float, duration: float | None) -> int | None:
+def _expected(config: LoadgenConfig, qps: float | None, duration: float | None) -> int | None:
+    if config.trace is not None:
+        return len(load_window(config.trace)) if duration is None else None
     if duration is None:
         return config.workload.requests_per_pass
     return None if math.isinf(qps) else round(qps * duration)
 
 
 @contextmanager
-def tqdm_progress(router: str, qps: float, total: int | None, *, disable: bool = False) -> Iterator[Progress]:
+def tqdm_progress(
+    router: str, qps: float | None, total: int | None, *, disable: bool = False
+) -> Iterator[Progress]:
     """A tqdm bar for one step (on stderr); yields the per-request callback."""
     from tqdm import tqdm
 
     failed = 0
-    rate = "inf" if math.isinf(qps) else f"{qps:g}"
+    rate = "own pace" if qps is None else "inf" if math.isinf(qps) else f"{qps:g}"
     with tqdm(total=total, desc=f"{router} @ {rate} qps", unit="req", disable=disable, leave=True) as bar:
 
         def tick(record: RequestRecord) -> None:

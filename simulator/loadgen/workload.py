@@ -224,16 +224,35 @@ def completion_body(
     user: str,
     stream: bool = True,
 ) -> dict:
-    """The OpenAI request body for one turn: streamed with a usage chunk (or, ``stream`` False,
-    one JSON answer, which always carries usage), ``ignore_eos`` so every answer is
-    ``max_tokens`` long (fair comparisons need equal output lengths)."""
+    """The OpenAI request body for one turn of ``conversation`` (see :func:`request_body`)."""
+    if chat:
+        return request_body(
+            model=model, max_tokens=max_tokens, messages=conversation.messages(user), stream=stream
+        )
+    return request_body(model=model, max_tokens=max_tokens, prompt=conversation.prompt(user), stream=stream)
+
+
+def request_body(
+    *,
+    model: str,
+    max_tokens: int,
+    messages: list[dict[str, str]] | None = None,
+    prompt: str | None = None,
+    stream: bool = True,
+) -> dict:
+    """An OpenAI request body with ``messages`` (chat) or a ``prompt`` (completions): streamed
+    with a usage chunk (or, ``stream`` False, one JSON answer, which always carries usage),
+    ``ignore_eos`` so every answer is ``max_tokens`` long (fair comparisons need equal output
+    lengths)."""
+    if (messages is None) == (prompt is None):
+        raise ValueError("give messages or a prompt")
     body: dict = {"model": model, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    if chat:
-        body["messages"] = conversation.messages(user)
+    if messages is not None:
+        body["messages"] = messages
     else:
-        body["prompt"] = conversation.prompt(user)
+        body["prompt"] = prompt
     return body
 
 

@@ -16,6 +16,7 @@ from django.core.management import CommandError, call_command
 
 from simulator.loadgen.report import LEGEND
 from simulator.loadgen.runner import default_score_url
+from simulator.loadgen.trace import PromptBuilder, TraceSpec, load_trace
 from simulator.management.commands.loadgen import Command
 from tests.loadgen.conftest import API_KEY
 from tests.servers import free_port, wait_until
@@ -138,6 +139,70 @@ def test_the_demo_load_of_the_vllm_fleet_goes_through_the_gateway_with_its_block
     assert options.target == "http://127.0.0.1:4"
     assert options.block_size == 32
     assert not options.reset_prefix_cache  # vLLM resets its prefix cache in its dev mode only
+
+
+def test_a_trace_is_replayed_at_its_own_pace_or_rescaled(fake_fleet, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 300, "hash_ids": [0, 1]},
+        {"timestamp": 100, "input_length": 1536, "output_length": 100, "hash_ids": [0, 1, 2]},
+        {"timestamp": 200, "input_length": 512, "output_length": 5, "hash_ids": [3]},
+        {"timestamp": 400, "input_length": 700},
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    pods = [arg for name, url in fake_fleet.urls.items() for arg in ("--pod", f"{name}={url}")]
+    replay = (
+        "--trace",
+        str(trace),
+        "--tokens-per-block",
+        "16",
+        "--output-scale",
+        "0.1",
+        "--max-tokens",
+        "20",
+    )
+    common = ("--score-url", fake_fleet.score_url, "--api-key", API_KEY, "--model", "m", "--no-progress")
+    out = run_command(
+        *pods, *common, *replay, "--router", "round-robin", "--json-out", str(tmp_path / "own.json")
+    )
+
+    received = [body for pod in fake_fleet.pods.values() for body in pod.received]
+    assert len(received) == 4
+    assert sorted(body["max_tokens"] for body in received) == [1, 10, 20, 20]  # 300, 100, 5 x 0.1, cap 20
+    builder = PromptBuilder(TraceSpec(str(trace), tokens_per_block=16))
+    expected = {builder.prompt(request) for request in load_trace(trace)}
+    assert {body["messages"][0]["content"] for body in received} == expected
+    run = json.loads((tmp_path / "own.json").read_text())["runs"][0]
+    assert run["qps"] == pytest.approx(7.5)  # 3 gaps over 0.4 s: the trace's own rate
+    assert run["ok"] == 4 and run["prefix_reuse_est"] > 0
+    assert "trace " in out and "replayed at its own pace" in out
+
+    # Rescaled to 30 qps (4x): the last request goes at 0.1 s instead of 0.4 s; a window skips the first.
+    for pod in fake_fleet.pods.values():
+        pod.received.clear()
+    run_command(
+        *pods,
+        *common,
+        *replay,
+        "--qps",
+        "30",
+        "--trace-start",
+        "0.05",
+        "--json-out",
+        str(tmp_path / "fast.json"),
+    )
+    run = json.loads((tmp_path / "fast.json").read_text())["runs"][0]
+    assert run["requests"] == 3 and run["qps"] == 30
+    assert sum(len(pod.received) for pod in fake_fleet.pods.values()) == 3
+
+
+def test_a_bad_trace_is_refused_before_anything_is_sent(fake_fleet, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10}\n{"timestamp": 1}\n')
+    pods = [arg for name, url in fake_fleet.urls.items() for arg in ("--pod", f"{name}={url}")]
+    with pytest.raises(CommandError, match=r"trace.jsonl:2: no 'input_length'"):
+        run_command(*pods, "--trace", str(trace), "--no-progress")
+    assert not any(pod.received for pod in fake_fleet.pods.values())
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,10 @@ from simulator.loadgen.runner import (
     run_ladder,
     tqdm_progress,
 )
+from simulator.loadgen.trace import MOONCAKE_BLOCK_SIZE, TraceSpec, load_window
 from simulator.loadgen.workload import WorkloadSpec
+
+DEFAULT_MAX_TOKENS = 64
 
 
 class Command(BaseCommand):
@@ -144,8 +147,12 @@ class Command(BaseCommand):
         load = parser.add_argument_group("load")
         load.add_argument(
             "--qps",
-            default="4",
-            help="Requests per second (Poisson arrivals), or a ladder such as 2,4,8; inf = all at once.",
+            default=None,
+            help=(
+                "Requests per second (Poisson arrivals), or a ladder such as 2,4,8; inf = all at once "
+                "(default 4). With --trace: the mean rate the trace's gaps are scaled to, bursts kept "
+                "(default: the trace's own pace)."
+            ),
         )
         length = load.add_mutually_exclusive_group()
         length.add_argument("--requests", type=int, default=None, help="Requests per run.")
@@ -154,7 +161,13 @@ class Command(BaseCommand):
             "--concurrency", type=int, default=256, help="Requests in flight at most (default 256)."
         )
         load.add_argument(
-            "--max-tokens", type=int, default=64, help="Output tokens per request (default 64)."
+            "--max-tokens",
+            type=int,
+            default=None,
+            help=(
+                "Output tokens per request (default 64). With --trace: a cap on the trace's output "
+                "lengths, and the length of requests without one."
+            ),
         )
         load.add_argument("--timeout", type=float, default=300.0, help="Seconds per request (default 300).")
         load.add_argument("--seed", type=int, default=0, help="Seed of the workload, arrivals and routers.")
@@ -205,6 +218,44 @@ class Command(BaseCommand):
             help="Multi-turn sessions interleaved at a time (default 4 x groups).",
         )
 
+        trace = parser.add_argument_group(
+            "trace",
+            "Replay a request trace instead of the generated workload: Mooncake's JSON Lines "
+            "(timestamp ms, input_length, output_length, hash_ids) or ours (prompt or input_length, "
+            "optional hash_ids and output_length); see simulator/loadgen/trace.py.",
+        )
+        trace.add_argument("--trace", metavar="FILE", help="The trace file (JSON Lines).")
+        trace.add_argument(
+            "--trace-block-size",
+            type=int,
+            default=MOONCAKE_BLOCK_SIZE,
+            metavar="N",
+            help=f"Tokens each hash id of the file stands for (default {MOONCAKE_BLOCK_SIZE}, Mooncake's).",
+        )
+        trace.add_argument(
+            "--tokens-per-block",
+            type=int,
+            default=None,
+            metavar="N",
+            help="Tokens to send per hash id (default: the trace's block size); fewer scale every "
+            "prompt down by the same factor, to fit a trace onto a smaller fleet.",
+        )
+        trace.add_argument(
+            "--output-scale",
+            type=float,
+            default=1.0,
+            metavar="F",
+            help="Multiply the trace's output lengths by F (default 1).",
+        )
+        trace.add_argument(
+            "--trace-start",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="Start the replay this far into the trace (its own time; default 0). --requests or "
+            "--duration end it (default: the rest of the trace).",
+        )
+
         output = parser.add_argument_group("output")
         output.add_argument("--json-out", metavar="FILE", help="Write the results as JSON here.")
         output.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bar.")
@@ -227,14 +278,17 @@ class Command(BaseCommand):
                 unknown = [name for name in routers if name not in ROUTER_NAMES]
                 if unknown:
                     raise ValueError(f"unknown router {unknown[0]!r}: choose from {', '.join(ROUTER_NAMES)}")
-            ladder = parse_qps(options["qps"])
+            if options["qps"] is None and config.trace is not None:
+                ladder: list[float | None] = [None]  # the trace's own pace
+            else:
+                ladder = parse_qps(options["qps"] or "4")
         except ValueError as e:
             raise CommandError(str(e)) from e
 
         requests, duration = options["requests"], options["duration"]
         if (requests is not None and requests < 1) or (duration is not None and not duration > 0):
             raise CommandError("--requests and --duration must be positive")
-        if duration is not None and any(math.isinf(q) for q in ladder):
+        if duration is not None and config.trace is None and any(math.isinf(q) for q in ladder):
             raise CommandError("--qps inf sends everything at once: give --requests, not --duration")
         for stop in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop, self._stopped)
@@ -252,7 +306,7 @@ class Command(BaseCommand):
         self.stdout.write(render_table(summaries))
         self.stdout.write("\n".join(LEGEND))
         for summary in summaries:
-            rate = "inf" if math.isinf(summary["qps"]) else f"{summary['qps']:g}"
+            rate = "inf" if math.isinf(summary["qps"]) else f"{summary['qps']:.3g}"
             for line in pod_lines(summary):
                 self.stdout.write(f"{summary['router']} @ {rate} qps: {line}")
             for note in summary["notes"]:
@@ -299,6 +353,17 @@ class Command(BaseCommand):
         api_key = options["api_key"]
         if api_key is None and settings.KVCACHE_API_KEYS:
             api_key = settings.KVCACHE_API_KEYS[0]
+        trace = None
+        if options["trace"]:
+            trace = TraceSpec(
+                path=options["trace"],
+                block_size=options["trace_block_size"],
+                tokens_per_block=options["tokens_per_block"],
+                output_scale=options["output_scale"],
+                max_output_tokens=options["max_tokens"],
+                start=options["trace_start"],
+            )
+            load_window(trace)  # a missing file or a bad line is an error now, not in the first run
         workload = WorkloadSpec(
             groups=options["groups"],
             system_prompt_tokens=options["system_prompt_tokens"],
@@ -316,7 +381,7 @@ class Command(BaseCommand):
             chat=options["chat"],
             stream=options["stream"],
             block_size=options["block_size"],
-            max_tokens=options["max_tokens"],
+            max_tokens=options["max_tokens"] or DEFAULT_MAX_TOKENS,
             concurrency=options["concurrency"],
             seed=options["seed"],
             score_url=options["score_url"] or default_score_url(),
@@ -328,4 +393,5 @@ class Command(BaseCommand):
             reset_prefix_cache=options["reset_prefix_cache"],
             settle=options["settle"],
             workload=workload,
+            trace=trace,
         )
