@@ -20,7 +20,12 @@ Workloads (:data:`WORKLOADS`):
 * ``replicas``: the same behind 2 replicas of the router (requests alternate between them);
 * ``restart``: the same with one pod's cache reset (a restart, as the index sees it) halfway;
 * ``hot``: hot prefixes, fewer groups than pods;
-* ``chat``: multi-turn conversations (each turn re-sends the conversation so far).
+* ``chat``: multi-turn conversations (each turn re-sends the conversation so far);
+* ``conversation`` and ``synthetic``: the first 600 requests of the Mooncake production traces
+  (``loadgen --trace``; Moonshot AI's Kimi service, FAST'25), their 512-token blocks sent as 16
+  tokens each so that their working set is ~3x the fleet's KV cache, outputs scaled to this
+  fleet's. The traces are read from ``$KVCACHE_TRACES`` (default ``../shared/traces`` beside the
+  checkout); they are not in the repository.
 
 ``--fleet vllm``: the same routers in front of 2 real vLLM engines instead (``bench/vllm_system.py``:
 vLLM 0.32 on the CPU, the random-weight Qwen3 of ``make vllm-engines``, 256 blocks of 32 tokens
@@ -28,14 +33,21 @@ each, ``POST /reset_prefix_cache`` between runs), on workloads scaled to them
 (:data:`VLLM_WORKLOADS`). Each engine has one core: TTFT there says more about 2 cores than
 about routing, so the engines' own prefix-cache hit rate is the figure to read first.
 
+``--goodput``: instead of the fixed ladder, each router's *goodput* per workload: the highest
+QPS at which TTFT p90 <= 2 s with no failed request (every lower rate run passing too). The
+ladder (``--qps``) is climbed until a rate fails, then the gap is halved until it is at most
+``--resolution`` QPS; then every router is also run at the best peer's goodput, to compare TTFT
+p90 there. Goodput leads the report and the plot.
+
 Reported per run: TTFT p50/p90/p99, E2E p90, output tokens/s, fleet prefix hit rate (from the
 pods' own counters) and, for the gateway, its own time per request (p50 of
 ``kvcache_gateway_overhead_seconds``; the full hop is ``bench/gateway.py``'s). Then the targets of
 issue 13 are checked per workload.
 
-    .venv/bin/python bench/routing.py [--workloads capacity,replicas,restart,hot,chat]
+    .venv/bin/python bench/routing.py [--workloads capacity,replicas,restart,hot,chat,conversation,synthetic]
         [--routers kv-load,kv,approx-prefix,least-loaded,random,vllm-router:cache_aware,...]
-        [--qps 4,8,12] [--duration 60] [--out var/bench/routing.json] [--plot docs/routing.png]
+        [--qps 4,8,12] [--duration 60] [--goodput [--resolution 0.5]]
+        [--out var/bench/routing.json] [--plot docs/routing.png]
     .venv/bin/python bench/routing.py --report var/bench/routing-a.json var/bench/routing-b.json
 
 ``--report`` prints the table, the target checks and the plot of saved results (several files
@@ -52,9 +64,10 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -72,7 +85,11 @@ from bench.vllm_system import VllmSystem  # noqa: E402
 from dashboard.gateways import Buckets, parse_gateway_metrics  # noqa: E402
 from simulator.loadgen.report import summarize  # noqa: E402
 from simulator.loadgen.runner import LoadgenConfig, parse_qps, run_step  # noqa: E402
+from simulator.loadgen.trace import TraceError, TraceSpec, load_window  # noqa: E402
 from simulator.loadgen.workload import WorkloadSpec  # noqa: E402
+
+TRACES = Path(os.environ.get("KVCACHE_TRACES") or ROOT.parent / "shared" / "traces")
+"""The Mooncake traces (``mooncake-conversation-part1.jsonl``, ``mooncake-synthetic.jsonl``)."""
 
 PODS = 8
 KV_BLOCKS = 512
@@ -109,15 +126,37 @@ TTFT_LIMIT_S = 2.0
 
 @dataclass(frozen=True)
 class Workload:
+    """A generated workload (``spec``, run for ``--duration`` seconds) or a trace's window of
+    ``requests`` requests (``trace``, replayed whole at every rate, its gaps rescaled)."""
+
     name: str
     about: str
-    spec: WorkloadSpec
+    spec: WorkloadSpec | None = None
     replicas: int = 1
     restart: bool = False
+    trace: TraceSpec | None = None
+    requests: int | None = None
+
+    def window(self) -> list:
+        """A trace workload's requests (the trace file must be there)."""
+        try:
+            return load_window(self.trace)[: self.requests]
+        except TraceError as e:
+            raise SystemExit(f"{self.name}: {e} (set KVCACHE_TRACES to the traces' directory)") from None
 
     def working_set_tokens(self) -> int:
+        """Tokens of distinct prefix blocks (a trace's: distinct hash ids) one pass sends."""
+        if self.trace is not None:
+            requests = self.window()
+            blocks = {hash_id for request in requests for hash_id in request.hash_ids}
+            return len(blocks) * self.trace.block_tokens
         spec = self.spec
         return spec.groups * spec.system_prompt_tokens + spec.sessions_per_pass * spec.question_tokens
+
+
+def trace_workload(name: str, about: str, file: str, **spec) -> Workload:
+    requests = spec.pop("requests")
+    return Workload(name, about, trace=TraceSpec(str(TRACES / file), **spec), requests=requests)
 
 
 _CAPACITY = WorkloadSpec(groups=48, system_prompt_tokens=3000, questions_per_group=5, seed=0)
@@ -135,8 +174,28 @@ WORKLOADS = {
             "16 groups x 1,500 tokens x 8 users, 4 turns each",
             WorkloadSpec(groups=16, system_prompt_tokens=1500, questions_per_group=8, turns=4),
         ),
+        trace_workload(
+            "conversation",
+            "Mooncake conversation trace, first 600 requests, 16 tokens per block",
+            "mooncake-conversation-part1.jsonl",
+            requests=600,
+            tokens_per_block=16,
+            output_scale=0.2,
+            max_output_tokens=128,
+        ),
+        trace_workload(
+            "synthetic",
+            "Mooncake synthetic trace, first 600 requests, 16 tokens per block",
+            "mooncake-synthetic.jsonl",
+            requests=600,
+            tokens_per_block=16,
+            output_scale=0.4,
+            max_output_tokens=128,
+        ),
     )
 }
+"""The traces' prompts average ~27 blocks (~440 tokens here); outputs ~70 and ~60 tokens, as the
+generated workloads' 64."""
 
 _VLLM_CAPACITY = WorkloadSpec(groups=24, system_prompt_tokens=1500, questions_per_group=3, seed=0)
 VLLM_WORKLOADS = {
@@ -144,6 +203,15 @@ VLLM_WORKLOADS = {
     for w in (
         Workload("vllm-capacity", "24 groups x 1,500-token system prompt x 3 users", _VLLM_CAPACITY),
         Workload("vllm-hot", "2 groups x 1,500 tokens x 16 users", WorkloadSpec(2, 1500, 16)),
+        trace_workload(
+            "vllm-conversation",
+            "Mooncake conversation trace, first 200 requests, 8 tokens per block",
+            "mooncake-conversation-part1.jsonl",
+            requests=200,
+            tokens_per_block=8,
+            output_scale=0.05,
+            max_output_tokens=16,
+        ),
     )
 }
 """Scaled to 2 real engines of 8,192 tokens of KV cache each: ``vllm-capacity``'s working set is
@@ -204,7 +272,10 @@ async def _reset_later(pod_url: str, after: float) -> None:
 
 
 async def _step(config: LoadgenConfig, workload: Workload, qps: float, duration: float, restart_url: str):
-    step = run_step(config, qps=qps, duration=duration)
+    if workload.trace is not None:  # the window, whole, at every rate
+        step = run_step(config, qps=qps, requests=workload.requests)
+    else:
+        step = run_step(config, qps=qps, duration=duration)
     if not workload.restart:
         return await step
     # run_step resets every cache (``reset_prefix_cache``) and waits ``settle`` before its first request.
@@ -265,20 +336,152 @@ def run(args: argparse.Namespace) -> dict:
     log_dir = stack.tmp / "logs"
     log_dir.mkdir(exist_ok=True)
     launcher = Routers(stack, log_dir)
+
+    def probe(workload: Workload, router: str, qps: float) -> dict:
+        """One run, recorded (the results file is rewritten after every run) and printed."""
+        started = time.monotonic()
+        summary = measure(launcher, workload, router, qps, args)
+        document["runs"].append(summary)
+        args.out.write_text(json.dumps(document, indent=1, default=str))
+        print(
+            f"{workload.name:12} {router:26} {qps:>5g} qps  {row(summary)}"
+            f"  ({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
+        return summary
+
     try:
-        for workload, router, qps in itertools.product(workloads, routers, ladder):
-            started = time.monotonic()
-            summary = measure(launcher, workload, router, qps, args)
-            document["runs"].append(summary)
-            args.out.write_text(json.dumps(document, indent=1, default=str))
-            print(
-                f"{workload.name:9} {router:26} {qps:>4g} qps  {row(summary)}"
-                f"  ({time.monotonic() - started:.0f} s)",
-                flush=True,
-            )
+        if args.goodput:
+            for workload in workloads:
+                for router in routers:
+                    search_goodput(lambda q, w=workload, r=router: probe(w, r, q), ladder, args.resolution)
+                at_best_peer(
+                    document["runs"], workload.name, routers, lambda r, q, w=workload: probe(w, r, q)
+                )
+        else:
+            for workload, router, qps in itertools.product(workloads, routers, ladder):
+                probe(workload, router, qps)
     finally:
         stack.close()
     return document
+
+
+# -- goodput -------------------------------------------------------------------------------
+
+
+def passes(run: dict) -> bool:
+    """Within the SLO: TTFT p90 <= :data:`TTFT_LIMIT_S` and no failed request."""
+    return run["failed"] == 0 and run["ok"] > 0 and _p90(run) <= TTFT_LIMIT_S
+
+
+def _grid(value: float, step: float) -> float:
+    return round(round(value / step) * step, 6)
+
+
+def search_goodput(probe: Callable[[float], dict], ladder: list[float], resolution: float) -> list[dict]:
+    """Runs ``probe`` up the ladder until a rate fails the SLO, then halves the gap between the
+    highest passing rate (0 if none) and that one until it is at most ``resolution`` QPS (rates
+    on a grid of half the resolution); the runs, in the order made."""
+    runs: list[dict] = []
+    low, high = 0.0, None
+    for qps in sorted(ladder):
+        runs.append(probe(qps))
+        if not passes(runs[-1]):
+            high = qps
+            break
+        low = qps
+    if high is None:
+        return runs  # the whole ladder passes: goodput is at least its top
+    while high - low > resolution:
+        middle = _grid((low + high) / 2, resolution / 2)
+        if not low < middle < high:
+            break
+        runs.append(probe(middle))
+        low, high = (middle, high) if passes(runs[-1]) else (low, middle)
+    return runs
+
+
+def goodput(runs: list[dict], workload: str, router: str) -> tuple[float, dict | None, bool]:
+    """The router's goodput on the workload from its runs: the highest rate such that it and
+    every lower rate run passed; that run (None if the lowest failed); and whether a higher rate
+    failed (False: goodput is at least that, the top of what was run)."""
+    mine = sorted(
+        (r for r in runs if r["workload"] == workload and r["router"] == router), key=lambda r: r["qps"]
+    )
+    best, bounded = None, False
+    for run_ in mine:
+        if not passes(run_):
+            bounded = True
+            break
+        best = run_
+    return (best["qps"] if best else 0.0), best, bounded
+
+
+def best_peer(runs: list[dict], workload: str) -> tuple[str, float] | None:
+    """The peer router with the highest goodput on the workload, and that goodput."""
+    peers = dict.fromkeys(r["router"] for r in runs if r["workload"] == workload and ":" in r["router"])
+    scored = [(goodput(runs, workload, peer)[0], peer) for peer in peers]
+    if not scored:
+        return None
+    rate, peer = max(scored)
+    return peer, rate
+
+
+def at_best_peer(
+    runs: list[dict], workload: str, routers: list[str], probe: Callable[[str, float], dict]
+) -> None:
+    """Runs every router not yet run at the best peer's goodput rate there."""
+    best = best_peer(runs, workload)
+    if best is None or best[1] <= 0:
+        return
+    for router in routers:
+        if not any(r["workload"] == workload and r["router"] == router and r["qps"] == best[1] for r in runs):
+            probe(router, best[1])
+
+
+def goodput_lines(runs: list[dict]) -> list[str]:
+    """The goodput table (markdown) and issue 23's targets per workload."""
+    lines = [
+        "| workload | router | goodput (QPS, TTFT p90 <= 2 s, no failure) | out tok/s there | TTFT p90 there "
+        "| TTFT p90 at the best peer's goodput |",
+        "|---|---|---|---|---|---|",
+    ]
+    checks = []
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        routers = list(dict.fromkeys(r["router"] for r in runs if r["workload"] == workload))
+        best = best_peer(runs, workload)
+        by = {(r["router"], r["qps"]): r for r in runs if r["workload"] == workload}
+        for router in routers:
+            rate, run_, bounded = goodput(runs, workload, router)
+            shown = f"{rate:g}" if bounded or run_ is None else f">= {rate:g}"
+            at_peer = by.get((router, best[1])) if best else None
+            lines.append(
+                f"| {workload} | {router} | {shown} | {_fmt(run_ and _tps(run_), '.1f')} "
+                f"| {_fmt(run_ and _p90(run_), '.3f')} | {_fmt(at_peer and _p90(at_peer), '.3f')} |"
+            )
+        if best is not None and "kv-load" in routers:
+            checks.append(_goodput_targets(runs, workload, best, by))
+    return [*lines, "", *checks]
+
+
+def _goodput_targets(runs: list[dict], workload: str, best: tuple[str, float], by: dict) -> str:
+    peer, theirs = best
+    ours = goodput(runs, workload, "kv-load")[0]
+    factor = 2 if workload in ("capacity", "conversation", "synthetic") else 1
+    ratio = math.inf if theirs == 0 else ours / theirs
+    line = (
+        f"{workload}: goodput kv-load {ours:g} qps, best peer {peer} {theirs:g} qps = {ratio:.2f}x "
+        f"(target >= {factor}x: {'met' if ratio >= factor else 'missed'})"
+    )
+    mine, their_run = by.get(("kv-load", theirs)), by.get((peer, theirs))
+    if mine and their_run:
+        p90s = _p90(mine), _p90(their_run)
+        met = "met" if p90s[0] <= p90s[1] / 5 else "missed"
+        line += (
+            f"; at {theirs:g} qps TTFT p90 kv-load {p90s[0]:.3f} s, {peer} {p90s[1]:.3f} s "
+            f"(target <= 1/5: {met})"
+        )
+    return line
 
 
 def loadgen_config(
@@ -297,7 +500,8 @@ def loadgen_config(
         observe_scores=False,
         reset_prefix_cache=True,
         settle=1.0,
-        workload=workload.spec,
+        workload=workload.spec or WorkloadSpec(),
+        trace=workload.trace,
         block_size=args.block_size,
         **({"model": args.model} if args.model else {}),
     )
@@ -432,7 +636,8 @@ def _ratio_targets(by: dict, workload: str, ladder: list[float], aware: list[str
 
 
 def plot(runs: list[dict], path: Path) -> Path:
-    """TTFT p90 against QPS, one panel per workload, one line per router, log-scale y."""
+    """Goodput per workload and router (bars, on top), then TTFT p90 against QPS, one panel per
+    workload, one line per router, log-scale y."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -441,7 +646,9 @@ def plot(runs: list[dict], path: Path) -> Path:
     workloads = list(dict.fromkeys(s["workload"] for s in runs))
     columns = min(3, len(workloads))
     rows_ = math.ceil(len(workloads) / columns)
-    fig, axes = plt.subplots(rows_, columns, figsize=(5 * columns, 3.8 * rows_), dpi=110, squeeze=False)
+    fig = plt.figure(figsize=(5 * columns, 3.8 * (rows_ + 1)), dpi=110)
+    grid = fig.add_gridspec(rows_ + 1, columns)
+    axes = [fig.add_subplot(grid[1 + i // columns, i % columns]) for i in range(rows_ * columns)]
     from matplotlib.ticker import FuncFormatter
 
     seconds = FuncFormatter(lambda value, _: f"{value:g}")
@@ -451,7 +658,8 @@ def plot(runs: list[dict], path: Path) -> Path:
     )
     routers = list(dict.fromkeys(s["router"] for s in runs))
     colors = {r: plt.cm.tab10(i % 10) for i, r in enumerate(routers)}
-    for ax, workload in zip(axes.flat, workloads, strict=False):
+    _goodput_bars(fig.add_subplot(grid[0, :]), runs, workloads, routers, colors)
+    for ax, workload in zip(axes, workloads, strict=False):
         for router in routers:
             points = sorted(
                 (s["qps"], s["ttft_s"]["p90"])
@@ -469,15 +677,33 @@ def plot(runs: list[dict], path: Path) -> Path:
         ax.set_ylabel("TTFT p90 (s)")
         ax.axhline(TTFT_LIMIT_S, color="grey", lw=0.8, ls=":")
         ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(workloads) :]:
+    for ax in axes[len(workloads) :]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize="small")
     fig.tight_layout(rect=(0, 0.08 if len(labels) > 5 else 0.05, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _goodput_bars(ax, runs: list[dict], workloads: list[str], routers: list[str], colors: dict) -> None:
+    """Grouped bars: each workload's goodput per router (hatched: at least that, never failed)."""
+    width = 0.8 / max(1, len(routers))
+    for i, router in enumerate(routers):
+        for j, workload in enumerate(workloads):
+            if not any(r["workload"] == workload and r["router"] == router for r in runs):
+                continue
+            rate, _, bounded = goodput(runs, workload, router)
+            ax.bar(j + i * width, rate, width, color=colors[router], hatch=None if bounded else "//",
+                   label=router if j == 0 else None)  # fmt: skip
+    ax.set_xticks([j + width * (len(routers) - 1) / 2 for j in range(len(workloads))], workloads)
+    ax.set_ylabel("goodput (requests/s)")
+    ax.set_title(
+        f"goodput: highest rate with TTFT p90 <= {TTFT_LIMIT_S:g} s and no failure (hatched: never failed)"
+    )
+    ax.grid(True, axis="y", alpha=0.3)
 
 
 def merged(documents: list[dict]) -> list[dict]:
@@ -492,6 +718,9 @@ def merged(documents: list[dict]) -> list[dict]:
 
 def report(documents: list[dict], plot_path: Path | None) -> None:
     runs = merged(documents)
+    for line in goodput_lines(runs):
+        print(line)
+    print()
     print(markdown_table(runs))
     print()
     for line in check_targets(runs):
@@ -516,6 +745,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--qps", default=None, help="the QPS ladder (default 4,8,12; --fleet vllm 1,2)")
     parser.add_argument(
         "--duration", type=float, default=60.0, help="seconds of arrivals per run (default 60)"
+    )
+    parser.add_argument(
+        "--goodput",
+        action="store_true",
+        help="search each router's goodput per workload, climbing --qps then halving the gap",
+    )
+    parser.add_argument(
+        "--resolution", type=float, default=0.5, help="--goodput: the search stops this close, QPS (0.5)"
     )
     parser.add_argument("--pods", type=int, default=PODS, help=f"simulated pods (default {PODS})")
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (--fleet vllm 16)")

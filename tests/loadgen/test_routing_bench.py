@@ -69,6 +69,60 @@ def test_targets_are_checked_at_the_highest_qps_kv_load_keeps_under_two_seconds(
     assert never == ["restart: kv-load never keeps TTFT p90 under 2 s"]
 
 
+def test_goodput_search_climbs_the_ladder_then_halves_the_gap():
+    made = []
+
+    def probe(qps: float) -> dict:
+        made.append(qps)
+        return run("conversation", "kv-load", qps, 1.0 if qps <= 5.3 else 3.0)
+
+    runs = routing.search_goodput(probe, [2, 4, 8, 12], resolution=0.5)
+    assert made == [2, 4, 8, 6, 5, 5.5]  # 12 is never run: 8 failed
+    assert routing.goodput(runs, "conversation", "kv-load")[:1] == (5,)
+    # Nothing passes: the search goes below the ladder; everything passes: goodput is at least its top.
+    made.clear()
+    routing.search_goodput(lambda q: probe(q + 10), [2, 4], resolution=0.5)
+    assert made == [12, 11.0, 10.5]  # probe adds 10: the rates asked were 2, 1, 0.5
+    assert routing.goodput([run("hot", "kv", 4, 1.0)], "hot", "kv") == (4, run("hot", "kv", 4, 1.0), False)
+
+
+def test_a_failed_request_or_a_slower_lower_rate_caps_goodput():
+    failed = run("hot", "kv", 8, 1.0)
+    failed["failed"] = 1
+    runs = [run("hot", "kv", 4, 1.0), failed, run("hot", "kv", 12, 1.0)]
+    assert routing.goodput(runs, "hot", "kv")[0] == 4  # 12 passed, but 8 did not
+    assert routing.goodput([run("hot", "kv", 4, 2.5)], "hot", "kv")[:2] == (0.0, None)
+
+
+def test_goodput_leads_the_report_with_the_targets_of_issue_23():
+    runs = [
+        run("conversation", "kv-load", 4, 0.2, tps=400),
+        run("conversation", "kv-load", 8, 0.5, tps=700),
+        run("conversation", "kv-load", 10, 3.0),
+        run("conversation", "smg:cache_aware", 4, 1.5, tps=380),
+        run("conversation", "smg:cache_aware", 5, 3.0),
+        run("conversation", "random", 4, 2.5),
+        run("hot", "kv-load", 4, 0.2),
+        run("hot", "smg:cache_aware", 4, 0.3),
+    ]
+    lines = routing.goodput_lines(runs)
+    assert "| conversation | kv-load | 8 | 700.0 | 0.500 | 0.200 |" in lines
+    assert "| conversation | smg:cache_aware | 4 | 380.0 | 1.500 | 1.500 |" in lines
+    assert "| conversation | random | 0 | - | - | 2.500 |" in lines
+    assert "| hot | kv-load | >= 4 | 100.0 | 0.200 | 0.200 |" in lines
+    assert (
+        "conversation: goodput kv-load 8 qps, best peer smg:cache_aware 4 qps = 2.00x (target >= 2x: met); "
+        "at 4 qps TTFT p90 kv-load 0.200 s, smg:cache_aware 1.500 s (target <= 1/5: met)"
+    ) in lines
+    assert any(
+        line.startswith("hot: goodput kv-load 4 qps") and "(target >= 1x: met)" in line for line in lines
+    )
+
+    made = []
+    routing.at_best_peer(runs, "conversation", ["kv-load", "random", "kv"], lambda r, q: made.append((r, q)))
+    assert made == [("kv", 4)]  # kv-load and random were run at 4 qps already
+
+
 def test_report_of_saved_results_prints_the_table_and_draws_the_plot(tmp_path, capsys):
     saved = tmp_path / "a.json"
     saved.write_text(json.dumps({"runs": [run("hot", "kv-load", 4, 0.4), run("hot", "random", 4, 4.0)]}))
@@ -132,10 +186,41 @@ def test_a_short_real_run_routes_through_the_gateway_and_a_peer(tmp_path, capsys
     assert saved["workloads"]["replicas"]["replicas"] == 2
 
 
+def test_a_trace_workload_is_replayed_whole_and_its_goodput_searched(tmp_path, monkeypatch, capsys):
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 100 * i, "input_length": 1024, "output_length": 40, "hash_ids": [0, i + 1]}
+        for i in range(6)
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    monkeypatch.setattr(routing, "TRACES", tmp_path)  # where trace workloads find their files
+    tiny = routing.trace_workload(
+        "tiny",
+        "5 requests sharing a first block",
+        trace.name,
+        requests=5,
+        tokens_per_block=32,
+        output_scale=0.1,
+    )
+    monkeypatch.setitem(routing.WORKLOADS, "tiny", tiny)
+    assert routing.WORKLOADS["tiny"].working_set_tokens() == 6 * 32  # block 0 and 5 others, 32 tokens each
+    out = tmp_path / "routing.json"
+    runs = routing.main(
+        ["--workloads", "tiny", "--routers", "kv-load", "--goodput", "--qps", "20", "--pods", "2",
+         "--out", str(out), "--no-plot"]
+    )  # fmt: skip
+    (summary,) = runs  # every request within 2 s at 20 qps: nothing more to search
+    assert summary["requests"] == summary["ok"] == 5 and summary["qps"] == 20
+    assert "| tiny | kv-load | >= 20 |" in capsys.readouterr().out
+    # The shared first block is reused (prefix reuse of the workload itself).
+    assert summary["prefix_reuse_est"] > 0
+
+
 def test_the_real_engine_fleet_has_workloads_and_a_ladder_of_its_own():
     args = routing.parse_args(["--fleet", "vllm"])
 
-    assert args.workloads.split(",") == list(routing.VLLM_WORKLOADS) == ["vllm-capacity", "vllm-hot"]
+    assert args.workloads.split(",") == list(routing.VLLM_WORKLOADS)
+    assert list(routing.VLLM_WORKLOADS) == ["vllm-capacity", "vllm-hot", "vllm-conversation"]
     assert (args.qps, args.max_tokens) == ("1,2", 16)
     assert args.out.name == "routing-vllm.json" and args.plot.name == "routing-vllm.png"  # not the sim's
     capacity = routing.VLLM_WORKLOADS["vllm-capacity"]
