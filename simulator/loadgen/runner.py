@@ -551,8 +551,8 @@ def tqdm_progress(
     from tqdm import tqdm
 
     failed = 0
-    rate = "own pace" if qps is None else "inf" if math.isinf(qps) else f"{qps:g}"
-    with tqdm(total=total, desc=f"{router} @ {rate} qps", unit="req", disable=disable, leave=True) as bar:
+    rate = "own pace" if qps is None else "inf qps" if math.isinf(qps) else f"{qps:g} qps"
+    with tqdm(total=total, desc=f"{router} @ {rate}", unit="req", disable=disable, leave=True) as bar:
 
         def tick(record: RequestRecord) -> None:
             nonlocal failed
