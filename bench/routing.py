@@ -116,9 +116,9 @@ FLEET = (
 3,000-token prefill 0.9 s alone and 1.8 s in a full batch (64 output tokens: 0.64-1.28 s), so a
 prefix hit saves about half of a request's time, and a miss stays under 2 s until requests queue."""
 
-GATEWAY_POLICIES = ("kv-load", "kv", "approx-prefix", "least-loaded", "random", "round-robin")
+GATEWAY_POLICIES = ("kv-load", "kv-ttft", "kv", "approx-prefix", "least-loaded", "random", "round-robin")
 DEFAULT_ROUTERS = (
-    "kv-load,kv,approx-prefix,least-loaded,random,"
+    "kv-load,kv-ttft,kv,approx-prefix,least-loaded,random,"
     "vllm-router:cache_aware,vllm-router:round_robin,sglang-router:cache_aware,sglang-router:round_robin"
 )
 TTFT_LIMIT_S = 2.0

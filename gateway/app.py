@@ -51,7 +51,7 @@ from typing import Any
 import orjson
 
 from gateway import metrics
-from gateway.load import SCRAPE_TIMEOUT_SECONDS, LoadTracker
+from gateway.load import SCRAPE_TIMEOUT_SECONDS, Dispatch, LoadTracker
 from gateway.memory import KeyMemory
 from gateway.policies import DEFAULT_ALPHA, Candidate, affinity_of, make_policy
 from gateway.upstream import Upstream, UpstreamError, UpstreamResponse
@@ -254,11 +254,24 @@ class GatewayApp:
         keys, matched = await self._prefix(config, model, lora, kind, payload, pods)
         now = time.monotonic()
         candidates = []
+        tracker = self.load
+        block_seconds = tracker.times.block_seconds
         for pod in pods:
-            load = self.load.of(pod, now=now)
-            candidates.append(Candidate(pod, matched.get(pod, 0), load, self.load.queued(pod, load)))
+            load = tracker.of(pod, now=now)
+            candidates.append(
+                Candidate(
+                    pod,
+                    matched.get(pod, 0),
+                    load,
+                    tracker.queued(pod, load),
+                    wait=tracker.wait_seconds(pod, load),
+                    prefill_ahead=tracker.prefilling.get(pod, 0.0),
+                    block_seconds=block_seconds,
+                )
+            )
         ranked = self.policy.rank(candidates, blocks=len(keys), affinity=affinity_of(keys))
-        await self._forward(scope, receive, send, body, ranked, pods, model, keys, received)
+        streamed = payload.get("stream") is True
+        await self._forward(scope, receive, send, body, ranked, pods, model, keys, received, streamed)
 
     async def _prefix(
         self,
@@ -390,6 +403,7 @@ class GatewayApp:
         model: str,
         keys: list[int],
         received: float,
+        streamed: bool,
     ) -> None:
         policy = self.policy.name
         headers = self._pod_headers(scope)
@@ -406,7 +420,8 @@ class GatewayApp:
                 if attempt:
                     metrics.RETRIES.labels(policy, problems[-1][0]).inc()
                 pod = candidate.pod
-                self.load.start(pod)
+                prefill = max(0, len(keys) - candidate.matched)
+                dispatch = self.load.start(pod, prefill_blocks=prefill, learn=streamed)
                 try:
                     sent = time.perf_counter()
                     try:
@@ -433,10 +448,10 @@ class GatewayApp:
                     if candidate.matched:
                         metrics.HITS.labels(policy).inc()
                     metrics.BLOCKS.labels(policy).inc(len(keys))
-                    outcome = await self._relay(response, send, candidate, sent)
+                    outcome = await self._relay(response, send, candidate, sent, dispatch)
                     return
                 finally:
-                    self.load.finish(pod)
+                    self.load.finish(dispatch)
             pod = ""
             detail = "; ".join(message for _, message in problems) or "no pod to try"
             await _send_error(send, 502, f"no pod answered: {detail}", "upstream_error")
@@ -448,7 +463,9 @@ class GatewayApp:
             watcher.cancel()
             metrics.REQUESTS.labels(policy, pod, outcome).inc()
 
-    async def _relay(self, response: UpstreamResponse, send: Send, candidate: Candidate, sent: float) -> str:
+    async def _relay(
+        self, response: UpstreamResponse, send: Send, candidate: Candidate, sent: float, dispatch: Dispatch
+    ) -> str:
         """The pod's answer to the client as it comes; returns the outcome. The client's head waits
         for the body's first bytes: a body malformed from its start is a 502, not a 200 cut short.
         A body that breaks off later leaves the client's answer unfinished (uvicorn closes it)."""
@@ -461,6 +478,7 @@ class GatewayApp:
                 await _send_error(send, 502, f"{candidate.pod} answered malformed: {error}", "upstream_error")
                 return "upstream_error"
             metrics.TTFT.labels(policy).observe(time.perf_counter() - sent)
+            self.load.answered(dispatch)
             headers = [
                 (k, v)
                 for k, v in response.headers

@@ -11,6 +11,11 @@ The tracker learns a pod's batch size as the most requests it was ever seen runn
 (``slots``) and splits its load into ``running`` (up to that) and ``queued`` (beyond it). A pod
 never scraped has no slots known: all its load counts as queued.
 
+For ``kv-ttft`` the tracker also keeps, per pod, the prefill work the gateway's own requests have
+queued there (the uncached blocks of those that have not yet answered their first bytes), and
+learns from those requests how fast the pods are (:class:`ServiceTimes`): how long a request holds
+a batch slot, and what a block of prefill costs in time to first token.
+
 Scrapes are untrusted input, one pod at a time: each is bounded in time (``SCRAPE_TIMEOUT_SECONDS``
 for the whole answer) and size (``registry.pod_metrics``), and whatever one pod answers (nothing,
 a malformed count, an endless body) costs only that pod its reported load, never another pod's
@@ -25,6 +30,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 from gateway import metrics
 from registry.pod_metrics import PodMetricsError, requests_by_state
@@ -37,20 +43,124 @@ REPORTED_FOR_SECONDS = 5.0
 """A scrape older than this no longer counts (the pod stopped answering its metrics)."""
 
 
+DEFAULT_REQUEST_SECONDS = 1.0
+"""How long a request holds a batch slot, until the gateway has seen some finish."""
+DEFAULT_BLOCK_SECONDS = 0.005
+"""Time to first token per block of prefill, until the gateway has seen enough first tokens
+(16 tokens at 0.3 ms each: a small model on a small accelerator)."""
+HALF_LIFE_REQUESTS = 64
+"""The estimates forget at this pace: an observation 64 requests old weighs half a new one."""
+MIN_FIT_WEIGHT = 8.0
+"""Observations (decayed) before the fitted prefill cost replaces the default."""
+
+
+class ServiceTimes:
+    """The pods' speed as the gateway's own requests show it (fleet-wide, recent requests weigh
+    most): ``request_seconds``, the mean time a request holds a batch slot (sent to finished),
+    and ``block_seconds``, the slope of a least-squares line of time to first token against the
+    blocks of prefill ahead of the request and its own, fitted on requests that found a free slot
+    (a queued one's time to first token is mostly its wait). Never negative."""
+
+    def __init__(self) -> None:
+        self._decay = 0.5 ** (1 / HALF_LIFE_REQUESTS)
+        self._requests = [0.0, 0.0]  # weight, weighted seconds
+        self._fit = [0.0] * 5  # weight, sum x, sum y, sum xx, sum xy
+
+    def finished(self, seconds: float) -> None:
+        w, total = self._requests
+        self._requests = [w * self._decay + 1, total * self._decay + seconds]
+
+    def first_token(self, blocks: float, seconds: float) -> None:
+        d = self._decay
+        n, sx, sy, sxx, sxy = self._fit
+        self._fit = [
+            n * d + 1,
+            sx * d + blocks,
+            sy * d + seconds,
+            sxx * d + blocks * blocks,
+            sxy * d + blocks * seconds,
+        ]
+
+    @property
+    def request_seconds(self) -> float:
+        w, total = self._requests
+        return total / w if w >= 1 else DEFAULT_REQUEST_SECONDS
+
+    @property
+    def block_seconds(self) -> float:
+        n, sx, sy, sxx, sxy = self._fit
+        variance = n * sxx - sx * sx
+        if n < MIN_FIT_WEIGHT or variance <= 1e-9 * max(1.0, n * sxx):
+            return DEFAULT_BLOCK_SECONDS
+        return max(0.0, (n * sxy - sx * sy) / variance)
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """One request sent to ``pod``: its ``prefill_blocks`` (blocks the pod was expected to
+    compute), the prefill ``ahead`` of it then (its own included), when it was sent, whether it
+    found a free batch slot, and whether its first bytes came."""
+
+    pod: str
+    prefill_blocks: float
+    ahead: float
+    sent: float
+    free_slot: bool
+    answered: bool = False
+
+
 class LoadTracker:
     def __init__(self) -> None:
         self.in_flight: dict[str, int] = defaultdict(int)
+        self.prefilling: dict[str, float] = defaultdict(float)
+        """Per pod, the blocks of prefill of the gateway's requests there not yet answered."""
+        self.times = ServiceTimes()
         self._reported: dict[str, tuple[float, int, float]] = {}  # pod -> (reported, ours then, at)
         self.slots: dict[str, float] = {}
         """Per pod, the most requests it was seen running at once (its batch size, as learned)."""
         self.problems: dict[str, str] = {}
         """Per pod whose last scrape failed, why (a reason of ``registry.pod_metrics.READ_FAILURES``)."""
 
-    def start(self, pod: str) -> None:
+    def start(
+        self, pod: str, *, prefill_blocks: float = 0.0, learn: bool = True, now: float | None = None
+    ) -> Dispatch:
+        """A request sent to ``pod``, expected to compute ``prefill_blocks`` blocks there;
+        ``learn`` False when its first bytes will not mark its first token (an answer that is
+        not streamed comes whole)."""
+        now = time.monotonic() if now is None else now
+        load = self.of(pod, now=now)
+        free = learn and pod in self.slots and load < self.slots[pod]
         self.in_flight[pod] += 1
+        self.prefilling[pod] += prefill_blocks
+        return Dispatch(pod, prefill_blocks, self.prefilling[pod], now, free)
 
-    def finish(self, pod: str) -> None:
-        self.in_flight[pod] -= 1
+    def answered(self, dispatch: Dispatch, *, now: float | None = None) -> None:
+        """The request's first bytes came: its prefill is done (learned from when it had a slot)."""
+        if dispatch.answered:
+            return
+        dispatch.answered = True
+        self.prefilling[dispatch.pod] = max(0.0, self.prefilling[dispatch.pod] - dispatch.prefill_blocks)
+        if dispatch.free_slot:
+            seconds = (time.monotonic() if now is None else now) - dispatch.sent
+            self.times.first_token(dispatch.ahead, seconds)
+
+    def finish(self, dispatch: Dispatch, *, now: float | None = None) -> None:
+        """The request is over (answered whole, failed or abandoned)."""
+        self.in_flight[dispatch.pod] -= 1
+        if not dispatch.answered:  # it never prefilled here: its work is no longer ahead of anyone
+            dispatch.answered = True
+            self.prefilling[dispatch.pod] = max(0.0, self.prefilling[dispatch.pod] - dispatch.prefill_blocks)
+        else:
+            self.times.finished((time.monotonic() if now is None else now) - dispatch.sent)
+
+    def wait_seconds(self, pod: str, load: float) -> float:
+        """Expected wait for a batch slot on ``pod`` carrying ``load``: none while its batch has
+        room, else a slot's time per request queued before this one (and this one), shared by its
+        slots (an unknown batch: one slot)."""
+        slots = self.slots.get(pod, 0.0)
+        if slots and load < slots:
+            return 0.0
+        return (load - slots + 1) * self.times.request_seconds / max(slots, 1.0)
 
     def of(self, pod: str, *, now: float | None = None) -> float:
         ours = self.in_flight.get(pod, 0)

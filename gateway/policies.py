@@ -14,6 +14,12 @@ error or a 5xx before the first byte, to the next.
   held them while those pods still had free batch slots, so prefixes were duplicated and evicted
   (hit rate 35.9% against 38.5% for ``kv``, TTFT p90 2.5 s against 1.8 s at 9 QPS,
   docs/performance.md).
+* ``kv-ttft``: the lowest expected time to first token: the wait for a batch slot (requests
+  queued before it times how long a request holds a slot, over the pod's slots) plus the prefill
+  ahead of it on the pod and its own uncached blocks, times the time a block of prefill takes,
+  both learned from the gateway's own requests (``gateway.load.ServiceTimes``). A hit is worth
+  the prefill it saves, in seconds, not a share of the prompt: a short prompt's hit is not worth
+  queueing for, a long one's may be (as Dynamo's router weighs prefill and decode blocks).
 * ``kv``: the most blocks matched; load breaks ties.
 * ``approx-prefix``: ``kv-load`` on the gateway's own memory of where it sent prefixes, no KV
   events (what routers without them do): the baseline that shows what the events are worth.
@@ -60,6 +66,16 @@ class Candidate:
     load: float = 0.0
     queued: float | None = None
     """Of ``load``, the requests beyond the pod's batch size; None: unknown, all of it."""
+    wait: float = 0.0
+    """Seconds until a batch slot is expected to be free for this request (``kv-ttft``)."""
+    prefill_ahead: float = 0.0
+    """Blocks of prefill the gateway's requests still have queued on the pod (``kv-ttft``)."""
+    block_seconds: float = 0.0
+    """Time to first token per block of prefill, as learned (``kv-ttft``)."""
+
+    def expected_ttft(self, blocks: int) -> float:
+        """Seconds to the first token here, less what is the same on every pod."""
+        return self.wait + (self.prefill_ahead + max(0, blocks - self.matched)) * self.block_seconds
 
     @property
     def cost(self) -> float:
@@ -105,6 +121,14 @@ class KVLoadPolicy(Policy):
 
     def value(self, candidate: Candidate, blocks: int) -> float:
         return candidate.matched / max(blocks, 1) - self.alpha * candidate.cost
+
+
+class KVTTFTPolicy(Policy):
+    name = "kv-ttft"
+    source = "index"
+
+    def value(self, candidate: Candidate, blocks: int) -> float:
+        return -candidate.expected_ttft(blocks)
 
 
 class KVPolicy(Policy):
@@ -177,7 +201,15 @@ class RoundRobinPolicy(Policy):
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p
-    for p in (KVLoadPolicy, KVPolicy, ApproxPrefixPolicy, LeastLoadedPolicy, RoundRobinPolicy, RandomPolicy)
+    for p in (
+        KVLoadPolicy,
+        KVTTFTPolicy,
+        KVPolicy,
+        ApproxPrefixPolicy,
+        LeastLoadedPolicy,
+        RoundRobinPolicy,
+        RandomPolicy,
+    )
 }
 
 

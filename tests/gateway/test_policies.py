@@ -1,4 +1,5 @@
-"""The kv-load blend and the load it is given: what waits costs, what runs in the batch barely."""
+"""The kv-load blend and the load it is given: what waits costs, what runs in the batch barely;
+kv-ttft's expected time to first token and what the tracker learns for it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.load import LoadTracker
+from gateway.load import DEFAULT_BLOCK_SECONDS, DEFAULT_REQUEST_SECONDS, LoadTracker, ServiceTimes
 from gateway.policies import RUNNING_WEIGHT, Candidate, affinity_of, home_score, make_policy
 from registry.pod_metrics import requests_by_state, requests_in
 
@@ -98,3 +99,68 @@ def test_homes_only_break_ties():
         assert policy.rank(holder, blocks=10, affinity=affinity)[0].pod == other
         busy = [Candidate(home, load=1.0, queued=0.0) if c.pod == home else c for c in idle]
         assert policy.rank(busy, blocks=10, affinity=affinity)[0].pod != home
+
+
+def test_service_times_learn_a_slot_and_the_prefill_cost_of_a_block():
+    times = ServiceTimes()
+    assert (times.request_seconds, times.block_seconds) == (DEFAULT_REQUEST_SECONDS, DEFAULT_BLOCK_SECONDS)
+    for i in range(40):  # time to first token = 20 ms + 3 ms per block of prefill ahead
+        blocks = 5 + (i % 8) * 10
+        times.first_token(blocks, 0.020 + 0.003 * blocks)
+        times.finished(1.5)
+    assert times.block_seconds == pytest.approx(0.003)
+    assert times.request_seconds == pytest.approx(1.5)
+    times = ServiceTimes()
+    for _ in range(40):  # every request the same size: no slope to fit, the default stays
+        times.first_token(10, 0.5)
+    assert times.block_seconds == DEFAULT_BLOCK_SECONDS
+
+
+def test_the_tracker_keeps_the_prefill_ahead_until_the_first_bytes_and_learns_only_from_free_slots():
+    tracker = LoadTracker()
+    tracker.observe("a", running=2.0, now=0.0)  # a batch of 2
+    tracker.observe("a", running=0.0, now=0.0)  # now idle
+    first = tracker.start("a", prefill_blocks=10, now=0.0)
+    second = tracker.start("a", prefill_blocks=4, now=0.0)
+    third = tracker.start("a", prefill_blocks=6, now=0.0)  # the batch is full: it waits
+    assert tracker.prefilling["a"] == 20 and (first.ahead, second.ahead, third.ahead) == (10, 14, 20)
+    assert (first.free_slot, second.free_slot, third.free_slot) == (True, True, False)
+    tracker.answered(first, now=0.1)
+    tracker.answered(first, now=0.2)  # once only
+    assert tracker.prefilling["a"] == 10
+    tracker.finish(second, now=0.3)  # never answered (it failed): its prefill is no longer ahead
+    assert tracker.prefilling["a"] == 6 and tracker.in_flight["a"] == 2
+    tracker.answered(third, now=0.5)
+    tracker.finish(third, now=1.0)
+    tracker.finish(first, now=1.0)
+    assert tracker.prefilling["a"] == 0 and tracker.in_flight["a"] == 0
+    assert tracker.times._fit[0] == 1  # only the first: the third waited, the second never answered
+    unstreamed = tracker.start("a", prefill_blocks=3, learn=False, now=2.0)
+    assert not unstreamed.free_slot  # its first bytes are its whole answer
+
+
+def test_the_wait_for_a_slot_grows_with_the_queue_and_is_shared_by_the_slots():
+    tracker = LoadTracker()
+    assert tracker.wait_seconds("a", 0.0) == DEFAULT_REQUEST_SECONDS  # unknown batch: one slot
+    tracker.observe("a", running=4.0, now=0.0)
+    assert tracker.wait_seconds("a", 3.0) == 0.0
+    assert tracker.wait_seconds("a", 4.0) == pytest.approx(DEFAULT_REQUEST_SECONDS / 4)
+    assert tracker.wait_seconds("a", 6.0) == pytest.approx(3 * DEFAULT_REQUEST_SECONDS / 4)
+
+
+def test_kv_ttft_weighs_a_hit_by_the_prefill_it_saves_against_the_wait():
+    policy = make_policy("kv-ttft", rng=random.Random(0))
+    block = 0.005
+    idle = Candidate("idle", matched=0, load=0.0, queued=0.0, block_seconds=block)
+    # A short prompt (28 blocks, 0.14 s of prefill) held where a request waits 0.25 s: not worth it.
+    short = Candidate("holder", matched=28, load=4.0, queued=0.0, wait=0.25, block_seconds=block)
+    assert policy.rank([idle, short], blocks=28)[0].pod == "idle"
+    # A long one (190 blocks, 0.95 s): worth the same wait.
+    long = Candidate("holder", matched=190, load=4.0, queued=0.0, wait=0.25, block_seconds=block)
+    assert policy.rank([idle, long], blocks=190)[0].pod == "holder"
+    # Prefill already queued on a pod counts as its own would.
+    behind = Candidate("behind", matched=0, load=1.0, queued=0.0, prefill_ahead=100, block_seconds=block)
+    assert policy.rank([behind, idle], blocks=10)[0].pod == "idle"
+    assert idle.expected_ttft(10) == pytest.approx(0.05) and short.expected_ttft(190) == pytest.approx(
+        0.25 + 0.81
+    )
