@@ -112,15 +112,20 @@ PEERS: dict[str, Peer] = {
             log_level="warning",
         ),
         # SMG 1.13 over HTTP workers: it polls each pod's /health, reads /v1/models (owned_by
-        # "vllm" makes it a vLLM worker) and, every 10 s, vLLM's /metrics for load (running and
-        # waiting requests, KV cache usage); its cache_aware tree is over the request text, so it
-        # loads no tokenizer. Left out: bucket (prefill workers only), consistent_hashing and manual
-        # (they route on a session header the workloads do not send), passthrough (one worker).
-        # Its best other policy for these workloads is power_of_two, which SMG documents as its
-        # load balancer: of two pods drawn at random, the one with the lower expected wait
-        # (waiting work, its own in-flight requests and a KV-usage barrier, as least_load scores
-        # every pod). least_load itself is meant for gRPC workers (over HTTP it cannot count a
-        # request's tokens); prefix_hash is a coarser cache_aware (a hash of the prompt's head).
+        # "vllm" makes it a vLLM worker) and, every 10 s whatever the policy, vLLM's /metrics for
+        # load (running and waiting requests, KV cache usage); its cache_aware tree is over the
+        # request text, so it loads no tokenizer. Left out: bucket (prefill workers only),
+        # consistent_hashing and manual (they route on a session header the workloads do not
+        # send), passthrough (one worker).
+        # Its best other policy here is prefix_hash: a hash of the prompt's head (256 tokens, or
+        # 1,024 characters of a request it does not tokenize) on a consistent-hash ring, walked
+        # on while the home pod has 1.25x the mean load: consistent hashing with bounded loads.
+        # Measured with bench/routing.py (30-s runs, docs/performance.md): on capacity at 9 QPS,
+        # TTFT p90 4.7 s, tied with least_load (4.6-5.3 s), ahead of power_of_two (5.8-5.9 s),
+        # with a 36% hit rate against their 3-7%; on hot at 16 QPS 5.2 s against power_of_two's
+        # 9.3 s and least_load's 33.7 s (one run; SMG means least_load for gRPC workers: over
+        # HTTP it cannot count a request's tokens). On hot at 8 QPS, where nothing queues, it was
+        # the slower (2.0 s against 1.2 s): it keeps a hot group on its home pod longer.
         Peer(
             name="smg",
             command=("smg", "launch"),
