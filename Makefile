@@ -155,11 +155,13 @@ bench-deps:
 
 # The peer routers bench/peers.py runs in front of the pods (vllm-router, SMG), pinned in
 # bench/peers-requirements.txt, in a venv of their own: their dependencies must not meet ours.
-# About 20 s and 260 MB; nothing to do while the stamp is newer than the requirements.
+# About 20 s and 260 MB; nothing to do while the stamp is newer than the requirements. A changed
+# list starts from an empty venv (--clear): sglang-router 0.3.2, which SMG replaced, also installed
+# a script named `smg`, and nothing of an older install may linger.
 PEERS_VENV := var/peers
 
 $(PEERS_VENV)/.installed: bench/peers-requirements.txt
-	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PYTHON) -m venv --clear $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install --disable-pip-version-check -q -r bench/peers-requirements.txt
 	touch $@
 
