@@ -38,7 +38,7 @@ help:
 	@echo "make test   - install everything and run the test suite"
 	@echo "make lint   - ruff check and format check, and the import contracts of the layers"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
-	@echo "make bench-peers - the peer routers (vllm-router, sglang-router) into var/peers"
+	@echo "make bench-peers - the peer routers (vllm-router, SMG) into var/peers"
 	@echo "make conformance - vLLM 0.33's own KV-cache manager and publisher against ingest and scoring"
 	@echo "make e2e-vllm - the end-to-end suite through the gateway to two real vLLM engines"
 
@@ -85,7 +85,7 @@ node-deps:
 	fi
 
 # Lint first: a tree that is not ruff-clean fails the suite (it once failed on main).
-# The suite runs the peer routers too (tests/simulator/test_peers.py): ~25 s to install once; and
+# The suite runs the peer routers too (tests/simulator/test_peers.py): ~20 s to install once; and
 # real vLLM engines (tests/vllm/, `make e2e-vllm`): about a minute to install once, 1.5 to run.
 # `make test`: lint, the suite (tests/), then `make conformance` (vLLM 0.33's own block manager
 # against ingest and scoring: about a minute, plus its venv's install the first time).
@@ -153,13 +153,15 @@ bench-deps:
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; \
 	fi
 
-# The peer routers bench/peers.py runs in front of the pods (vllm-router, sglang-router), pinned in
+# The peer routers bench/peers.py runs in front of the pods (vllm-router, SMG), pinned in
 # bench/peers-requirements.txt, in a venv of their own: their dependencies must not meet ours.
-# About 25 s and 220 MB; nothing to do while the stamp is newer than the requirements.
+# About 20 s and 260 MB; nothing to do while the stamp is newer than the requirements. A changed
+# list starts from an empty venv (--clear): sglang-router 0.3.2, which SMG replaced, also installed
+# a script named `smg`, and nothing of an older install may linger.
 PEERS_VENV := var/peers
 
 $(PEERS_VENV)/.installed: bench/peers-requirements.txt
-	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PYTHON) -m venv --clear $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install --disable-pip-version-check -q -r bench/peers-requirements.txt
 	touch $@
 

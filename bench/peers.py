@@ -1,18 +1,20 @@
-"""The peer routers: vllm-router and sglang-router, what people put in front of a vLLM fleet
-instead of this service, run as child processes in front of given pods.
+"""The peer routers: vllm-router and SMG, what people put in front of a vLLM fleet instead of this
+service, run as child processes in front of given pods.
 
 ``make bench-peers`` installs them, pinned in ``bench/peers-requirements.txt``, into a venv of
 their own (``var/peers``): they bring dependencies of their own, which must not meet the
-project's. Both are Rust routers behind a Python launcher; neither needs a GPU or the model hub
-(sglang-router loads the tokenizer from the path the pods report, docs/simulator.md).
+project's. Both are Rust routers behind a Python launcher; neither needs a GPU or the model hub.
+SMG (the Shepherd Model Gateway, PyPI ``smg``) is what SGLang's router became; vllm-router 0.1.17
+is a fork of its January version (sglang-router 0.3.2, the peer of older results), which SMG
+replaces here: both install a console script named ``smg``, so they cannot share the venv.
 
-    with start_peer("sglang-router", workers=["http://127.0.0.1:8100", "http://127.0.0.1:8101"],
+    with start_peer("smg", workers=["http://127.0.0.1:8100", "http://127.0.0.1:8101"],
                     policy="cache_aware") as peer:
         httpx.post(f"{peer.url}/v1/completions", json={...})
 
 or by hand, in the foreground until Ctrl-C:
 
-    .venv/bin/python bench/peers.py sglang-router --policy cache_aware \\
+    .venv/bin/python bench/peers.py smg --policy cache_aware \\
         --workers http://127.0.0.1:8100 http://127.0.0.1:8101 [--port 30000]
 
 No Django here: the benchmarks import it as they import the simulator.
@@ -109,10 +111,25 @@ PEERS: dict[str, Peer] = {
             ),
             log_level="warning",
         ),
+        # SMG 1.13 over HTTP workers: it polls each pod's /health, reads /v1/models (owned_by
+        # "vllm" makes it a vLLM worker) and, every 10 s whatever the policy, vLLM's /metrics for
+        # load (running and waiting requests, KV cache usage); its cache_aware tree is over the
+        # request text, so it loads no tokenizer. Left out: bucket (prefill workers only),
+        # consistent_hashing and manual (they route on a session header the workloads do not
+        # send), passthrough (one worker).
+        # Its best other policy here is prefix_hash: a hash of the prompt's head (256 tokens, or
+        # 1,024 characters of a request it does not tokenize) on a consistent-hash ring, walked
+        # on while the home pod has 1.25x the mean load: consistent hashing with bounded loads.
+        # Measured with bench/routing.py (30-s runs, docs/performance.md): on capacity at 9 QPS,
+        # TTFT p90 4.7 s, tied with least_load (4.6-5.3 s), ahead of power_of_two (5.8-5.9 s),
+        # with a 36% hit rate against their 3-7%; on hot at 16 QPS 5.2 s against power_of_two's
+        # 9.3 s and least_load's 33.7 s (one run; SMG means least_load for gRPC workers: over
+        # HTTP it cannot count a request's tokens). On hot at 8 QPS, where nothing queues, it was
+        # the slower (2.0 s against 1.2 s): it keeps a hot group on its home pod longer.
         Peer(
-            name="sglang-router",
-            command=("sglang-router", "launch"),
-            policies=("cache_aware", "round_robin", "power_of_two", "random"),
+            name="smg",
+            command=("smg", "launch"),
+            policies=("cache_aware", "power_of_two", "least_load", "prefix_hash", "round_robin", "random"),
             log_level="warn",
             # Its default waits up to 180 s for in-flight requests on SIGTERM.
             extra=("--shutdown-grace-period-secs", "1"),
@@ -188,8 +205,8 @@ class RunningPeer:
 
 
 def _serves_every_worker(client: httpx.Client, url: str, workers: list[str]) -> bool:
-    """Both peers list their workers at ``GET /workers``. sglang-router answers ``/health`` before
-    it has registered any (registration runs in the background), so only this says it can route."""
+    """Both peers list their workers at ``GET /workers``. SMG answers ``/health`` before it has
+    registered any (registration runs in the background), so only this says it can route."""
     try:
         response = client.get(f"{url}/workers")
         listed = response.json().get("workers", []) if response.status_code == 200 else []

@@ -10,8 +10,8 @@ chat completions. Then the router is stopped.
 
 Routers: ``manage.py gateway`` with each policy (``kv-load``, ``kv``, ``approx-prefix``,
 ``least-loaded``, ``random``, ``round-robin``), and, when ``make bench-peers`` installed them,
-``vllm-router`` and ``sglang-router`` with ``cache_aware`` and ``round_robin``
-(``<peer>:<policy>``).
+``vllm-router`` with ``cache_aware`` and ``round_robin`` and ``smg`` with ``cache_aware`` and
+``prefix_hash``, its best other policy here (``<peer>:<policy>``; why: ``bench/peers.py``).
 
 Workloads (:data:`WORKLOADS`):
 
@@ -119,7 +119,7 @@ prefix hit saves about half of a request's time, and a miss stays under 2 s unti
 GATEWAY_POLICIES = ("kv-load", "kv-ttft", "kv", "approx-prefix", "least-loaded", "random", "round-robin")
 DEFAULT_ROUTERS = (
     "kv-load,kv-ttft,kv,approx-prefix,least-loaded,random,"
-    "vllm-router:cache_aware,vllm-router:round_robin,sglang-router:cache_aware,sglang-router:round_robin"
+    "vllm-router:cache_aware,vllm-router:round_robin,smg:cache_aware,smg:prefix_hash"
 )
 TTFT_LIMIT_S = 2.0
 

@@ -7,7 +7,7 @@ Two uses, one structure (``KeyMemory``):
   a prefill, a publish, ingest). Without them a burst of one new prefix scatters over the fleet,
   each request seeing an empty index;
 * the **approximate prefix tree** (no ttl): what routers without KV events do (vllm-router's and
-  sglang-router's ``cache_aware``): believe a prefix is where it was last sent, evicted only by
+  SMG's ``cache_aware`` over HTTP workers): believe a prefix is where it was last sent, evicted only by
   the memory's own bound. The ``approx-prefix`` policy routes on it alone, as a baseline.
 
 Bounded: at most ``max_keys`` (model, key) entries, least recently recorded out first.

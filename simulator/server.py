@@ -16,7 +16,8 @@ Endpoints (vLLM's OpenAI server and its operational endpoints):
 ``POST /sleep``, ``POST /wake_up``         sleep drops the prefix cache; ``GET /is_sleeping``
 =========================================  ===========================================================
 
-And SGLang's operational endpoints, which sglang-router and vllm-router ask their workers for:
+And SGLang's operational endpoints, which vllm-router and sglang-router ask their workers for (SMG
+asks for vLLM's: ``/health``, ``/v1/models``, ``/metrics``):
 
 =========================================  ===========================================================
 ``GET /[get_]server_info``                 model, tokenizer, ``dp_size``, cache and batch sizes

@@ -40,7 +40,7 @@ def test_targets_are_checked_at_the_highest_qps_kv_load_keeps_under_two_seconds(
         run("capacity", "kv-load", 8, 1.5, tps=300),
         run("capacity", "kv-load", 12, 6.0, tps=350),
         run("capacity", "random", 8, 20.0),
-        run("capacity", "sglang-router:cache_aware", 8, 6.0, tps=250),
+        run("capacity", "smg:cache_aware", 8, 6.0, tps=250),
         run("capacity", "vllm-router:cache_aware", 8, 3.0, tps=310),
         run("capacity", "vllm-router:cache_aware", 12, 5.0, tps=400),
         run("hot", "kv-load", 8, None),
@@ -162,7 +162,7 @@ def test_every_run_starts_from_empty_caches():
 
 
 def test_a_short_real_run_routes_through_the_gateway_and_a_peer(tmp_path, capsys):
-    routers = "kv-load" + (",sglang-router:cache_aware" if peers_installed() else "")
+    routers = "kv-load" + (",smg:cache_aware" if peers_installed() else "")
     out = tmp_path / "routing.json"
     runs = routing.main(
         ["--workloads", "replicas,restart", "--routers", routers, "--qps", "4", "--duration", "2",

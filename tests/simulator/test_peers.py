@@ -1,7 +1,8 @@
 """The peer routers (``bench.peers``) in front of simulated pods: each peer, with each policy we
 compare against, starts on our fleet and routes completions and chat completions, plain and
 streamed, to the pods; cache_aware keeps a prompt on the pod that has it cached, round_robin
-alternates. Needs ``make bench-peers``; without it these tests skip, saying so.
+alternates; SMG reads the pods' load from their vLLM metrics. Needs ``make bench-peers``; without
+it these tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,7 +107,7 @@ def test_without_the_peers_venv_starting_a_peer_says_to_run_make_bench_peers(tmp
 
 @pytest.mark.parametrize(
     ("name", "policy", "message"),
-    [("nginx", "round_robin", "unknown peer"), ("sglang-router", "kv_aware", "no policy 'kv_aware'")],
+    [("nginx", "round_robin", "unknown peer"), ("smg", "kv_aware", "no policy 'kv_aware'")],
 )
 def test_an_unknown_peer_or_policy_is_refused(name: str, policy: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -113,7 +115,7 @@ def test_an_unknown_peer_or_policy_is_refused(name: str, policy: str, message: s
 
 
 def test_each_peer_gets_its_own_metrics_port_and_the_workers() -> None:
-    argv = PEERS["sglang-router"].argv(
+    argv = PEERS["smg"].argv(
         Path("/v"),
         workers=["http://a:1", "http://b:2"],
         policy="cache_aware",
@@ -121,7 +123,7 @@ def test_each_peer_gets_its_own_metrics_port_and_the_workers() -> None:
         port=5,
         metrics_port=6,
     )
-    assert argv[:2] == ["/v/bin/sglang-router", "launch"]
+    assert argv[:2] == ["/v/bin/smg", "launch"]
     assert argv[argv.index("--worker-urls") + 1 : argv.index("--policy")] == ["http://a:1", "http://b:2"]
     assert argv[argv.index("--prometheus-port") + 1] == "6"
 
@@ -129,9 +131,13 @@ def test_each_peer_gets_its_own_metrics_port_and_the_workers() -> None:
 # --- each peer in front of the fleet -------------------------------------------------------------
 
 
+# Each peer with cache_aware and round_robin, and SMG with the other policy the benchmark runs.
+ROUTED = [(name, policy) for name in sorted(PEERS) for policy in ("cache_aware", "round_robin")]
+ROUTED.append(("smg", "prefix_hash"))
+
+
 @needs_peers
-@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
-@pytest.mark.parametrize("name", sorted(PEERS))
+@pytest.mark.parametrize(("name", "policy"), ROUTED)
 def test_a_peer_routes_plain_and_streamed_requests_to_the_pods(
     fleet: RunningFleet, name: str, policy: str
 ) -> None:
@@ -166,16 +172,39 @@ def test_a_peer_routes_plain_and_streamed_requests_to_the_pods(
         assert streamed_text(chunks) == f"Streamed chat via {tag}"
 
         # The same long prompt four times: cache_aware keeps it on one pod, which then has it
-        # cached; round_robin spreads it over both.
+        # cached, as does prefix_hash (its hash is the same); round_robin spreads it over both.
         served, cached = [], []
         for _ in range(4):
             r = client.post(f"{peer.url}/v1/completions", json=completion(f"{SYSTEM} Asked via {tag}"))
             assert r.status_code == 200, r.text
             served.append(r.headers[POD_HEADER])
             cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-        if policy == "cache_aware":
+        if policy == "round_robin":
+            assert set(served) == pods, served
+        else:
             assert len(set(served)) == 1, served
             assert all(tokens >= 48 for tokens in cached[1:]), cached
-        else:
-            assert set(served) == pods, served
     assert peer.process.returncode is not None
+
+
+@needs_peers
+def test_smg_reads_each_pods_load_from_its_vllm_metrics(fleet: RunningFleet) -> None:
+    """SMG takes the pods for vLLM (``owned_by`` in ``/v1/models``) and reads their load from
+    ``/metrics`` (it needs ``vllm:kv_cache_usage_perc``), at registration and every 10 s, whatever
+    the policy."""
+    with (
+        start_peer("smg", workers=fleet.urls, policy="prefix_hash") as peer,
+        httpx.Client(timeout=5) as client,
+    ):
+        deadline = time.monotonic() + 15
+        while True:
+            workers = client.get(f"{peer.url}/workers").json()["workers"]
+            loads = {w["url"]: w.get("engine_load", {}).get("loads") for w in workers}
+            if all(loads.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert {w["runtime_type"] for w in workers} == {"vllm"}
+    assert set(loads) == set(fleet.urls) and all(loads.values()), loads
+    for (load,) in loads.values():  # one rank each, idle
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
+        assert 0.0 <= load["token_usage"] < 1.0
