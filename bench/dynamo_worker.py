@@ -9,8 +9,9 @@ What Dynamo's router needs of a worker, and where the shim gets it:
 * **Requests.** Dynamo's frontend tokenizes (its own Rust preprocessor, chat template applied),
   picks a worker and sends it the token ids; the shim posts them to the pod's
   ``/v1/completions`` as a token-id prompt (streamed), so the pod caches exactly the tokens the
-  router hashed. Each streamed text piece goes back as token ids (the model's tokenizer, which
-  the frontend detokenizes again); the pod's usage (with its ``cached_tokens``) is passed on.
+  router hashed. The output goes back as token ids, which the frontend detokenizes: the pod's own
+  (vLLM's ``return_token_ids``, which the simulator honours too), or else each streamed text piece
+  tokenized again. The pod's usage (with its ``cached_tokens``) is passed on.
 * **KV events.** The pod's own ZeroMQ PUB socket (vLLM's format, ``[topic, seq, msgpack batch]``)
   is handed to Dynamo's worker runtime as a ``ZmqSource``: Dynamo's vLLM worker wrapper
   (``dynamo.vllm``) does the same with vLLM's socket. The pod must bind its PUB
@@ -54,6 +55,7 @@ def pod_request(request: dict[str, Any], model: str) -> dict[str, Any]:
         "prompt": list(request["token_ids"]),
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,
     }
     for group, names in (("stop_conditions", STOP_FIELDS), ("sampling_options", SAMPLING_FIELDS)):
         values = request.get(group) or {}
@@ -70,8 +72,19 @@ class PodEngine(LLMEngine):
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.tokenizer = Tokenizer.from_file(f"{args.model_dir}/tokenizer.json")
         self.session: aiohttp.ClientSession | None = None
+        self._tokenizer: Tokenizer | None = None
+
+    def token_ids(self, choice: dict[str, Any]) -> list[int]:
+        """A streamed choice's token ids: the pod's, else its text tokenized (the tokenizer, some
+        100 MB, is loaded only for a pod that does not send ids)."""
+        if isinstance(choice.get("token_ids"), list):
+            return choice["token_ids"]
+        if not choice.get("text"):
+            return []
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.from_file(f"{self.args.model_dir}/tokenizer.json")
+        return self._tokenizer.encode(choice["text"], add_special_tokens=False).ids
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[PodEngine, WorkerConfig]:
@@ -130,8 +143,7 @@ class PodEngine(LLMEngine):
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or ():
-                    text = choice.get("text") or ""
-                    ids = self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+                    ids = self.token_ids(choice)
                     finish = choice.get("finish_reason") or finish
                     if ids:
                         yield {"token_ids": ids, "index": 0}
