@@ -255,9 +255,9 @@ def start_dynamo(
     model_path = model_dir(workdir / "model", tokenizer_dir=tokenizer_dir, context_length=context_length)
     port = port or _free_port(host)
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    # Discovery in a directory of its own; every socket on loopback (Dynamo otherwise advertises
-    # the machine's address); the model card cache (~/.cache/dynamo) under workdir; the pods reached
-    # directly.
+    # Discovery in a directory of its own; every socket advertised, and all but the event plane's
+    # PUBs (no setting) bound, on loopback: Dynamo otherwise picks the machine's address. The model
+    # card cache (~/.cache/dynamo) under workdir; the pods reached directly.
     no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY", ""), host, "127.0.0.1", "localhost"]))
     env = {
         **os.environ,
