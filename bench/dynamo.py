@@ -150,8 +150,9 @@ def model_dir(
 @dataclass(eq=False)
 class RunningDynamo:
     """A started Dynamo: where its frontend serves, its processes (the frontend first, then one
-    shim per pod) and their logs in ``workdir`` (removed when it stops, unless ``keep_logs``). A
-    context manager: leaving it stops every process."""
+    shim per pod), their files in ``workdir`` (removed when it stops, unless ``keep_logs``) and
+    their logs (in ``workdir`` too unless a log directory was given). A context manager: leaving
+    it stops every process."""
 
     url: str
     pods: list[DynamoPod]
@@ -233,13 +234,15 @@ def start_dynamo(
     port: int = 0,
     router_args: tuple[str, ...] = (),
     venv: Path = DYNAMO_VENV,
+    log_dir: Path | None = None,
     keep_logs: bool = False,
     ready_timeout: float = READY_TIMEOUT,
 ) -> RunningDynamo:
     """Start Dynamo's frontend with its KV router (``router_args``: more frontend flags, e.g.
     ``--router-temperature``) on ``host:port`` (0: a free port) and a shim per pod serving
     ``model`` (``block_size`` and ``kv_blocks``: the pods'; ``tokenizer_dir``: the model's
-    tokenizer files, by default the Qwen3 tokenizer our packages ship). Returns once the frontend
+    tokenizer files, by default the Qwen3 tokenizer our packages ship; ``log_dir``: where the
+    processes' logs go, ``frontend.log`` and ``worker-<i>.log``, kept). Returns once the frontend
     serves the model with every pod's worker registered. Raises :class:`DynamoNotInstalled`
     without the venv, ``ValueError`` without pods, :class:`DynamoStartError` (a
     :class:`bench.peers.PeerStartError`) when a process exits or the workers are not registered
@@ -293,7 +296,9 @@ def start_dynamo(
     url_host = f"[{host}]" if ":" in host else host
     running = RunningDynamo(url=f"http://{url_host}:{port}", pods=pods, workdir=workdir, keep_logs=keep_logs)
     try:
-        log = workdir / "frontend.log"
+        logs = log_dir or workdir
+        logs.mkdir(parents=True, exist_ok=True)
+        log = logs / "frontend.log"
         running.logs.append(log)
         running.processes.append(_spawn(frontend, env=env, cwd=workdir, log=log))
         for i, pod in enumerate(pods):
@@ -319,7 +324,7 @@ def start_dynamo(
                 namespace,
                 *(("--kv-blocks", str(kv_blocks)) if kv_blocks else ()),
             ]
-            log = workdir / f"worker-{i}.log"
+            log = logs / f"worker-{i}.log"
             running.logs.append(log)
             running.processes.append(_spawn(shim, env=env, cwd=workdir, log=log))
         _wait_ready(running, model, ready_timeout)
@@ -338,12 +343,12 @@ def _wait_ready(running: RunningDynamo, model: str, timeout: float) -> None:
             if dead:
                 raise DynamoStartError(
                     f"dynamo: {dead[0].args[2]} exited with status {dead[0].returncode} before serving "
-                    f"(logs in {running.workdir}):\n{running.log_tail()}"
+                    f"(logs in {running.logs[0].parent}):\n{running.log_tail()}"
                 )
             if time.monotonic() > deadline:
                 raise DynamoStartError(
                     f"dynamo did not register {len(running.pods)} workers within {timeout:g} s "
-                    f"(logs in {running.workdir}):\n{running.log_tail()}"
+                    f"(logs in {running.logs[0].parent}):\n{running.log_tail()}"
                 )
             time.sleep(0.1)
 
@@ -371,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DynamoNotInstalled, PeerStartError, ValueError) as error:
         print(error, file=sys.stderr)
         return 1
-    print(f"dynamo (kv) at {dynamo.url}, {len(args.pods)} workers, logs in {dynamo.workdir}")
+    print(f"dynamo (kv) at {dynamo.url}, {len(args.pods)} workers, logs in {dynamo.logs[0].parent}")
     with dynamo, contextlib.suppress(KeyboardInterrupt):
         dynamo.processes[0].wait()
     return 0

@@ -114,11 +114,11 @@ def test_the_model_card_ends_sequences_with_the_tokenizers_eos_token() -> None:
 
 @needs_dynamo
 def test_dynamo_routes_to_the_pods_and_sends_a_repeated_prompt_to_the_pod_that_cached_it(
-    fleet: RunningFleet,
+    fleet: RunningFleet, tmp_path: Path
 ) -> None:
     pods = fleet_pods(fleet.urls, fleet.events)
     with (
-        start_dynamo(pods, model=MODEL, block_size=BLOCK_SIZE, kv_blocks=1024) as dynamo,
+        start_dynamo(pods, model=MODEL, block_size=BLOCK_SIZE, kv_blocks=1024, log_dir=tmp_path) as dynamo,
         httpx.Client(timeout=30, trust_env=False) as client,
     ):
         # The pods echo their prompt: Dynamo's answers are the prompt's text, detokenized by it.
@@ -162,3 +162,5 @@ def test_dynamo_routes_to_the_pods_and_sends_a_repeated_prompt_to_the_pod_that_c
     # The router's predicted hit rate: ~1 for each repeat, ~0 for each first request.
     assert metric(metrics, "dynamo_component_router_kv_hit_rate_sum") >= 0.9 * len(repeats)
     assert all(code == 0 for code in dynamo.stop())
+    assert not dynamo.workdir.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["frontend.log", "worker-0.log", "worker-1.log"]
