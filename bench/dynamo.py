@@ -377,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         print(error, file=sys.stderr)
         return 1
     print(f"dynamo (kv) at {dynamo.url}, {len(args.pods)} workers, logs in {dynamo.logs[0].parent}")
+    # SIGTERM as Ctrl-C: the processes are stopped on the way out either way.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with dynamo, contextlib.suppress(KeyboardInterrupt):
         dynamo.processes[0].wait()
     return 0
