@@ -41,6 +41,7 @@ help:
 	@echo "make bench-peers - the peer routers (vllm-router, SMG) into var/peers"
 	@echo "make conformance - vLLM 0.33's own KV-cache manager and publisher against ingest and scoring"
 	@echo "make e2e-vllm - the end-to-end suite through the gateway to two real vLLM engines"
+	@echo "make bench-dynamo - NVIDIA Dynamo's KV router (bench/dynamo.py) into var/dynamo"
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -226,3 +227,17 @@ $(CONFORMANCE_VENV)/.installed: conformance/requirements.txt
 .PHONY: conformance
 conformance: $(VENV)/.installed $(CONFORMANCE_VENV)/.installed
 	KVCACHE_PYTHON=$(CURDIR)/$(PY) $(CONFORMANCE_VENV)/bin/python -m pytest conformance
+
+# NVIDIA Dynamo's KV router, which bench/dynamo.py runs in front of the pods (docs/peers-dynamo.md):
+# exactly the pins of bench/dynamo-requirements.txt, installed without dependency resolution (its
+# metadata asks for a package PyPI cannot install; the file says which and why), in a venv of its
+# own. About 15 s and 370 MB once; nothing to do while the stamp is newer than the pins.
+DYNAMO_VENV := var/dynamo
+
+$(DYNAMO_VENV)/.installed: bench/dynamo-requirements.txt
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r bench/dynamo-requirements.txt
+	touch $@
+
+.PHONY: bench-dynamo
+bench-dynamo: $(DYNAMO_VENV)/.installed

@@ -42,6 +42,8 @@ class SamplingParams:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    # vLLM's ``return_token_ids``: each streamed completion chunk carries its tokens' ids.
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,7 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_names: Sequence[str]) -> Sa
         seed=seed,
         stream=stream,
         include_usage=include_usage,
+        return_token_ids=_bool(body, "return_token_ids", False),
     )
 
 
@@ -240,20 +243,25 @@ def chat_response(
 
 
 def completion_chunk(
-    request_id: str, model: str, created: int, index: int, text: str, finish_reason: str | None
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    return {
-        **_envelope(request_id, "text_completion", model, created),
-        "choices": [
-            {
-                "index": index,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-        ],
+    """``token_ids``: the chunk's token ids, sent (vLLM's field) when the request asked for them."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
     }
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {**_envelope(request_id, "text_completion", model, created), "choices": [choice]}
 
 
 def chat_chunk(

@@ -3,7 +3,8 @@
 Endpoints (vLLM's OpenAI server and its operational endpoints):
 
 =========================================  ===========================================================
-``POST /v1/completions``                   prompt: str | [str] | [int] | [[int]]; ``stream`` (SSE)
+``POST /v1/completions``                   prompt: str | [str] | [int] | [[int]]; ``stream`` (SSE),
+                                           with ``return_token_ids`` each chunk's ``token_ids``
 ``POST /v1/chat/completions``              messages rendered with the model's chat template
 ``GET /v1/models``                         the base model and the loaded LoRA adapters
 ``POST /tokenize``                         ``{"count", "tokens", "max_model_len", "token_strs"}``
@@ -113,7 +114,9 @@ def create_app(pod: Pod) -> Starlette:
                 pieces[choice.index].append(choice.texts[index])
         return [(c.index, "".join(pieces[c.index]), c.finish_reason) for c in submission.choices]
 
-    async def stream(submission: Submission, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(
+        submission: Submission, *, chat: bool, include_usage: bool, token_ids: bool = False
+    ) -> AsyncIterator[str]:
         rid, model, created = submission.request_id, submission.model, submission.created
         async with contextlib.aclosing(pod.run(submission)) as tokens:
             async for choice, index in tokens:
@@ -126,19 +129,24 @@ def create_app(pod: Pod) -> Starlette:
                     if index == choice.last_token:
                         yield _sse(chat_chunk(rid, model, created, choice.index, {}, choice.finish_reason))
                 else:
-                    yield _sse(completion_chunk(rid, model, created, choice.index, choice.texts[index], None))
+                    ids = [choice.state.request.output_ids[index]] if token_ids else None
+                    text = choice.texts[index]
+                    yield _sse(completion_chunk(rid, model, created, choice.index, text, None, ids))
                     if index == choice.last_token:
+                        end = [] if token_ids else None
                         yield _sse(
-                            completion_chunk(rid, model, created, choice.index, "", choice.finish_reason)
+                            completion_chunk(rid, model, created, choice.index, "", choice.finish_reason, end)
                         )
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield _sse(usage_chunk(rid, obj, model, created, submission.usage()))
         yield "data: [DONE]\n\n"
 
-    def stream_response(submission: Submission, *, chat: bool, include_usage: bool) -> Response:
+    def stream_response(
+        submission: Submission, *, chat: bool, include_usage: bool, token_ids: bool = False
+    ) -> Response:
         return StreamingResponse(
-            stream(submission, chat=chat, include_usage=include_usage),
+            stream(submission, chat=chat, include_usage=include_usage, token_ids=token_ids),
             media_type="text/event-stream",
             headers={**_SSE_HEADERS, **answer_headers(submission)},
         )
@@ -161,7 +169,13 @@ def create_app(pod: Pod) -> Starlette:
             param="prompt",
         )
         if params.sampling.stream:
-            return stream_response(submission, chat=False, include_usage=params.sampling.include_usage)
+            sampling = params.sampling
+            return stream_response(
+                submission,
+                chat=False,
+                include_usage=sampling.include_usage,
+                token_ids=sampling.return_token_ids,
+            )
         choices = await collect(submission)
         body = completion_response(submission.request_id, params.model, choices, submission.usage())
         return JSONResponse(body, headers=answer_headers(submission))

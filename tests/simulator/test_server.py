@@ -155,6 +155,18 @@ def test_completion_stream_without_usage(served: Served) -> None:
     assert all("usage" not in e for e in events[:-1])
 
 
+def test_a_completion_stream_with_return_token_ids_gives_each_chunks_token_ids(
+    served: Served, qwen: PodTokenizer
+) -> None:
+    request = {"model": MODEL, "prompt": "one two three", "max_tokens": 3, "stream": True}
+    with served.client.stream("POST", "/v1/completions", json={**request, "return_token_ids": True}) as r:
+        *tokens, finish, _ = sse(r.iter_lines())
+    assert [t["choices"][0]["token_ids"] for t in tokens] == [[i] for i in qwen.encode("one two three")]
+    assert finish["choices"][0]["token_ids"] == []
+    with served.client.stream("POST", "/v1/completions", json=request) as r:
+        assert all("token_ids" not in e["choices"][0] for e in sse(r.iter_lines())[:-1])
+
+
 def test_a_second_turn_reuses_the_first_turn_and_its_answer(served: Served, qwen: PodTokenizer) -> None:
     question = "Where is Paris? Answer at length, with the geography of France and of Europe."
     first = chat(question)
