@@ -57,9 +57,13 @@ ZERO_LATENCY = (
 class Stack:
     """Valkey, ``ingest`` and ``simulate`` (``pods`` pods of :data:`MODEL`, registered with their
     addresses, publishing to ingest; ``simulate_args`` set their engine and latency) as child
-    processes; gateways are started and stopped on top of them."""
+    processes; gateways are started and stopped on top of them. With ``bind_events`` each pod
+    binds its KV-event socket (vLLM's default; ``events_endpoint``, pod ``i`` on its port + i) and
+    ingest connects to each, so that other subscribers (Dynamo's router) can connect too."""
 
-    def __init__(self, *, pods: int = 2, simulate_args: tuple[str, ...] = ZERO_LATENCY) -> None:
+    def __init__(
+        self, *, pods: int = 2, simulate_args: tuple[str, ...] = ZERO_LATENCY, bind_events: bool = False
+    ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvgateway-"))
         self.valkey = Valkey()
         # The routing benchmark (bench/routing.py) compares the gateway's matched blocks with the
@@ -71,10 +75,19 @@ class Stack:
             KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER="true",
             KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT="0",
         )
-        ingest_port = free_port()
         self.pod_port = free_port_range(pods)
+        if bind_events:
+            events_port = free_port_range(pods)
+            self.events_endpoint = f"tcp://*:{events_port}"
+            sockets = [
+                arg for i in range(pods) for arg in ("--connect", f"tcp://127.0.0.1:{events_port + i}")
+            ]
+        else:
+            ingest_port = free_port()
+            self.events_endpoint = f"tcp://127.0.0.1:{ingest_port}"
+            sockets = ["--bind", self.events_endpoint]
         self.procs = [
-            self._start("ingest", "--bind", f"tcp://127.0.0.1:{ingest_port}", "--workers", "1"),
+            self._start("ingest", *sockets, "--workers", "1"),
             self._start(
                 "simulate",
                 "--pods",
@@ -82,7 +95,7 @@ class Stack:
                 "--base-port",
                 str(self.pod_port),
                 "--events-endpoint",
-                f"tcp://127.0.0.1:{ingest_port}",
+                self.events_endpoint,
                 "--register",
                 *simulate_args,
             ),

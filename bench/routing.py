@@ -8,10 +8,13 @@ events to ingest). For every workload, router and QPS of the ladder, the router 
 (the core of ``manage.py loadgen``) sends the workload to the router's OpenAI endpoint, streaming
 chat completions. Then the router is stopped.
 
-Routers: ``manage.py gateway`` with each policy (``kv-load``, ``kv``, ``approx-prefix``,
-``least-loaded``, ``random``, ``round-robin``), and, when ``make bench-peers`` installed them,
-``vllm-router`` with ``cache_aware`` and ``round_robin`` and ``smg`` with ``cache_aware`` and
-``prefix_hash``, its best other policy here (``<peer>:<policy>``; why: ``bench/peers.py``).
+Routers: ``manage.py gateway`` with each policy (``kv-load``, ``kv-ttft``, ``kv``,
+``approx-prefix``, ``least-loaded``, ``random``, ``round-robin``), and, when ``make bench-peers``
+installed them, ``vllm-router`` with ``cache_aware`` and ``round_robin`` and ``smg`` with
+``cache_aware`` and ``prefix_hash``, its best other policy here (``<peer>:<policy>``; why:
+``bench/peers.py``); when ``make bench-dynamo`` installed it, ``dynamo:kv``, NVIDIA Dynamo's KV
+router fed by the pods' own KV events (``bench/dynamo.py``: the pods bind their event sockets, as
+vLLM's do, and ingest and Dynamo both subscribe).
 
 Workloads (:data:`WORKLOADS`):
 
@@ -76,7 +79,13 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.gateway import Stack  # noqa: E402
+from bench.dynamo import (  # noqa: E402
+    RunningDynamo,
+    dynamo_installed,
+    fleet_pods,
+    start_dynamo,
+)
+from bench.gateway import MODEL, Stack  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from bench.peers import PEERS, RunningPeer, peers_installed, start_peer  # noqa: E402
 from bench.vllm_system import BLOCK_SIZE as VLLM_BLOCK_SIZE  # noqa: E402
@@ -119,8 +128,9 @@ prefix hit saves about half of a request's time, and a miss stays under 2 s unti
 GATEWAY_POLICIES = ("kv-load", "kv-ttft", "kv", "approx-prefix", "least-loaded", "random", "round-robin")
 DEFAULT_ROUTERS = (
     "kv-load,kv-ttft,kv,approx-prefix,least-loaded,random,"
-    "vllm-router:cache_aware,vllm-router:round_robin,smg:cache_aware,smg:prefix_hash"
+    "vllm-router:cache_aware,vllm-router:round_robin,smg:cache_aware,smg:prefix_hash,dynamo:kv"
 )
+DYNAMO = "dynamo:kv"
 TTFT_LIMIT_S = 2.0
 
 
@@ -225,10 +235,11 @@ group per engine, each shared by 16 users."""
 class Routers:
     """Starts a router's replicas in front of the stack's pods and stops them again."""
 
-    def __init__(self, stack: Stack, log_dir: Path) -> None:
+    def __init__(self, stack: Stack, log_dir: Path, *, block_size: int = BLOCK_SIZE) -> None:
         self.stack = stack
         self.log_dir = log_dir
-        self.peers: list[RunningPeer] = []
+        self.block_size = block_size
+        self.peers: list[RunningPeer | RunningDynamo] = []
 
     @contextlib.contextmanager
     def running(self, router: str, replicas: int) -> Iterator[list[str]]:
@@ -244,6 +255,17 @@ class Routers:
     def _start(self, router: str, replica: int) -> str:
         if router in GATEWAY_POLICIES:
             return self.stack.start_gateway(router)
+        if router == DYNAMO:
+            pods = fleet_pods(list(self.stack.pod_urls.values()), self.stack.events_endpoint)
+            dynamo = start_dynamo(
+                pods,
+                model=MODEL,
+                block_size=self.block_size,
+                kv_blocks=KV_BLOCKS,
+                log_dir=self.log_dir / "dynamo",
+            )
+            self.peers.append(dynamo)
+            return dynamo.url
         name, _, policy = router.partition(":")
         log = self.log_dir / f"{name}-{policy}-{replica}.log"
         peer = start_peer(name, workers=list(self.stack.pod_urls.values()), policy=policy, log_path=log)
@@ -287,11 +309,17 @@ def run(args: argparse.Namespace) -> dict:
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     for router in routers:
         name, _, policy = router.partition(":")
-        if router not in GATEWAY_POLICIES and (name not in PEERS or policy not in PEERS[name].policies):
-            raise SystemExit(f"unknown router {router!r}: a gateway policy or <peer>:<policy>")
-    if any(r not in GATEWAY_POLICIES for r in routers) and not peers_installed():
+        known = router == DYNAMO or (name in PEERS and policy in PEERS[name].policies)
+        if router not in GATEWAY_POLICIES and not known:
+            raise SystemExit(f"unknown router {router!r}: a gateway policy, <peer>:<policy> or {DYNAMO}")
+    if DYNAMO in routers and (args.fleet == "vllm" or not dynamo_installed()):
+        why = "not run on the real engines" if args.fleet == "vllm" else "not installed (make bench-dynamo)"
+        print(f"Dynamo's router is {why}: running without it", file=sys.stderr)
+        routers.remove(DYNAMO)
+    peers = [r for r in routers if r not in GATEWAY_POLICIES and r != DYNAMO]
+    if peers and not peers_installed():
         print("the peer routers are not installed (make bench-peers): running without them", file=sys.stderr)
-        routers = [r for r in routers if r in GATEWAY_POLICIES]
+        routers = [r for r in routers if r not in peers]
     known = VLLM_WORKLOADS if args.fleet == "vllm" else WORKLOADS
     try:
         workloads = [known[w.strip()] for w in args.workloads.split(",") if w.strip()]
@@ -332,10 +360,10 @@ def run(args: argparse.Namespace) -> dict:
             KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT="0",
         )
     else:
-        stack = Stack(pods=args.pods, simulate_args=FLEET)
+        stack = Stack(pods=args.pods, simulate_args=FLEET, bind_events=True)
     log_dir = stack.tmp / "logs"
     log_dir.mkdir(exist_ok=True)
-    launcher = Routers(stack, log_dir)
+    launcher = Routers(stack, log_dir, block_size=args.block_size)
 
     def probe(workload: Workload, router: str, qps: float) -> dict:
         """One run, recorded (the results file is rewritten after every run) and printed."""

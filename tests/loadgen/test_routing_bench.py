@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from bench import routing
+from bench.dynamo import dynamo_installed
 from bench.peers import peers_installed
 
 
@@ -214,6 +217,23 @@ def test_a_trace_workload_is_replayed_whole_and_its_goodput_searched(tmp_path, m
     assert "| tiny | kv-load | >= 20 |" in capsys.readouterr().out
     # The shared first block is reused (prefix reuse of the workload itself).
     assert summary["prefix_reuse_est"] > 0
+
+
+@pytest.mark.skipif(not dynamo_installed(), reason="Dynamo is not installed: make bench-dynamo")
+def test_dynamos_router_runs_in_front_of_the_same_pods_on_their_own_events(tmp_path):
+    (summary,) = routing.main(
+        ["--workloads", "hot", "--routers", "dynamo:kv", "--qps", "4", "--duration", "3", "--pods", "2",
+         "--max-tokens", "4", "--out", str(tmp_path / "routing.json"), "--no-plot"]
+    )  # fmt: skip
+    assert (
+        summary["router"] == "dynamo:kv"
+        and summary["failed"] == 0
+        and summary["ok"] == summary["requests"] > 0
+    )
+    # The pods were scraped (their hit rate is known); that Dynamo routes on their events is
+    # tests/simulator/test_dynamo.py's to show.
+    assert summary["fleet_hit_rate"] is not None
+    assert summary["overhead_p50_ms"] is None  # not our gateway
 
 
 def test_the_real_engine_fleet_has_workloads_and_a_ladder_of_its_own():
