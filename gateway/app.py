@@ -255,7 +255,7 @@ class GatewayApp:
         now = time.monotonic()
         candidates = []
         tracker = self.load
-        block_seconds = tracker.times.block_seconds
+        block_seconds, running_seconds = tracker.times.block_seconds, tracker.times.running_seconds
         for pod in pods:
             load = tracker.of(pod, now=now)
             candidates.append(
@@ -267,6 +267,7 @@ class GatewayApp:
                     wait=tracker.wait_seconds(pod, load),
                     prefill_ahead=tracker.prefilling.get(pod, 0.0),
                     block_seconds=block_seconds,
+                    running_seconds=running_seconds,
                 )
             )
         ranked = self.policy.rank(candidates, blocks=len(keys), affinity=affinity_of(keys))

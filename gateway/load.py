@@ -56,30 +56,35 @@ MIN_FIT_WEIGHT = 8.0
 
 class ServiceTimes:
     """The pods' speed as the gateway's own requests show it (fleet-wide, recent requests weigh
-    most): ``request_seconds``, the mean time a request holds a batch slot (sent to finished),
-    and ``block_seconds``, the slope of a least-squares line of time to first token against the
-    blocks of prefill ahead of the request and its own, fitted on requests that found a free slot
-    (a queued one's time to first token is mostly its wait). Never negative."""
+    most). ``request_seconds``: the mean time a request holds a batch slot (sent to finished).
+    ``block_seconds`` and ``running_seconds``: a least-squares fit of time to first token as
+    ``a + block_seconds * blocks + running_seconds * running``, ``blocks`` the prefill ahead of the
+    request on its pod (its own included), ``running`` the requests in the pod's batch then (each
+    slows the batch, so the prefill too), fitted on requests that found a free slot (a queued
+    one's time to first token is mostly its wait). Never negative; defaults until enough seen."""
 
     def __init__(self) -> None:
         self._decay = 0.5 ** (1 / HALF_LIFE_REQUESTS)
         self._requests = [0.0, 0.0]  # weight, weighted seconds
-        self._fit = [0.0] * 5  # weight, sum x, sum y, sum xx, sum xy
+        # weight, and the sums of x1, x2, y, x1 x1, x2 x2, x1 x2, x1 y, x2 y
+        self._sums = [0.0] * 9
+        self._fitted: tuple[float, float] | None = None
 
     def finished(self, seconds: float) -> None:
         w, total = self._requests
         self._requests = [w * self._decay + 1, total * self._decay + seconds]
 
-    def first_token(self, blocks: float, seconds: float) -> None:
+    def first_token(self, blocks: float, running: float, seconds: float) -> None:
+        terms = (1.0, blocks, running, seconds, blocks * blocks, running * running, blocks * running,
+                 blocks * seconds, running * seconds)  # fmt: skip
         d = self._decay
-        n, sx, sy, sxx, sxy = self._fit
-        self._fit = [
-            n * d + 1,
-            sx * d + blocks,
-            sy * d + seconds,
-            sxx * d + blocks * blocks,
-            sxy * d + blocks * seconds,
-        ]
+        self._sums = [total * d + term for total, term in zip(self._sums, terms, strict=True)]
+        self._fitted = None
+
+    @property
+    def first_tokens_seen(self) -> float:
+        """How many first tokens the fit rests on (decayed: recent ones count 1, older less)."""
+        return self._sums[0]
 
     @property
     def request_seconds(self) -> float:
@@ -88,22 +93,48 @@ class ServiceTimes:
 
     @property
     def block_seconds(self) -> float:
-        n, sx, sy, sxx, sxy = self._fit
-        variance = n * sxx - sx * sx
-        if n < MIN_FIT_WEIGHT or variance <= 1e-9 * max(1.0, n * sxx):
-            return DEFAULT_BLOCK_SECONDS
-        return max(0.0, (n * sxy - sx * sy) / variance)
+        return self._fit()[0]
+
+    @property
+    def running_seconds(self) -> float:
+        return self._fit()[1]
+
+    def _fit(self) -> tuple[float, float]:
+        if self._fitted is None:
+            self._fitted = self._solve()
+        return self._fitted
+
+    def _solve(self) -> tuple[float, float]:
+        n, s1, s2, sy, s11, s22, s12, s1y, s2y = self._sums
+        if n < MIN_FIT_WEIGHT:
+            return DEFAULT_BLOCK_SECONDS, 0.0
+        # Centred (co)variances, times n.
+        c11, c22, c12 = n * s11 - s1 * s1, n * s22 - s2 * s2, n * s12 - s1 * s2
+        c1y, c2y = n * s1y - s1 * sy, n * s2y - s2 * sy
+        tiny = 1e-9
+        if c11 <= tiny * max(1.0, n * s11):  # every request the same size: no slope to fit
+            return DEFAULT_BLOCK_SECONDS, max(0.0, c2y / c22) if c22 > tiny * max(1.0, n * s22) else 0.0
+        det = c11 * c22 - c12 * c12
+        if c22 <= tiny * max(1.0, n * s22) or det <= tiny * c11 * c22:  # no spread in the batch
+            return max(0.0, c1y / c11), 0.0
+        block = (c1y * c22 - c2y * c12) / det
+        running = (c2y * c11 - c1y * c12) / det
+        if block < 0 or running < 0:  # a negative part is noise: fit the other alone
+            return (max(0.0, c1y / c11), 0.0) if running < 0 else (0.0, max(0.0, c2y / c22))
+        return block, running
 
 
 @dataclass(slots=True)
 class Dispatch:
     """One request sent to ``pod``: its ``prefill_blocks`` (blocks the pod was expected to
-    compute), the prefill ``ahead`` of it then (its own included), when it was sent, whether it
-    found a free batch slot, and whether its first bytes came."""
+    compute), the prefill ``ahead`` of it then (its own included), the requests ``running`` in the
+    pod's batch then, when it was sent, whether it found a free batch slot, and whether its first
+    bytes came."""
 
     pod: str
     prefill_blocks: float
     ahead: float
+    running: float
     sent: float
     free_slot: bool
     answered: bool = False
@@ -132,7 +163,7 @@ class LoadTracker:
         free = learn and pod in self.slots and load < self.slots[pod]
         self.in_flight[pod] += 1
         self.prefilling[pod] += prefill_blocks
-        return Dispatch(pod, prefill_blocks, self.prefilling[pod], now, free)
+        return Dispatch(pod, prefill_blocks, self.prefilling[pod], load, now, free)
 
     def answered(self, dispatch: Dispatch, *, now: float | None = None) -> None:
         """The request's first bytes came: its prefill is done (learned from when it had a slot)."""
@@ -142,7 +173,7 @@ class LoadTracker:
         self.prefilling[dispatch.pod] = max(0.0, self.prefilling[dispatch.pod] - dispatch.prefill_blocks)
         if dispatch.free_slot:
             seconds = (time.monotonic() if now is None else now) - dispatch.sent
-            self.times.first_token(dispatch.ahead, seconds)
+            self.times.first_token(dispatch.ahead, dispatch.running, seconds)
 
     def finish(self, dispatch: Dispatch, *, now: float | None = None) -> None:
         """The request is over (answered whole, failed or abandoned)."""

@@ -15,9 +15,10 @@ error or a 5xx before the first byte, to the next.
   (hit rate 35.9% against 38.5% for ``kv``, TTFT p90 2.5 s against 1.8 s at 9 QPS,
   docs/performance.md).
 * ``kv-ttft``: the lowest expected time to first token: the wait for a batch slot (requests
-  queued before it times how long a request holds a slot, over the pod's slots) plus the prefill
-  ahead of it on the pod and its own uncached blocks, times the time a block of prefill takes,
-  both learned from the gateway's own requests (``gateway.load.ServiceTimes``). A hit is worth
+  queued before it times how long a request holds a slot, over the pod's slots), plus the prefill
+  ahead of it on the pod and its own uncached blocks times the time a block of prefill takes,
+  plus what each request running in the batch adds, all learned from the gateway's own requests
+  (``gateway.load.ServiceTimes``). A hit is worth
   the prefill it saves, in seconds, not a share of the prompt: a short prompt's hit is not worth
   queueing for, a long one's may be (as Dynamo's router weighs prefill and decode blocks).
 * ``kv``: the most blocks matched; load breaks ties.
@@ -72,10 +73,14 @@ class Candidate:
     """Blocks of prefill the gateway's requests still have queued on the pod (``kv-ttft``)."""
     block_seconds: float = 0.0
     """Time to first token per block of prefill, as learned (``kv-ttft``)."""
+    running_seconds: float = 0.0
+    """Time to first token per request running in the batch, as learned (``kv-ttft``)."""
 
     def expected_ttft(self, blocks: int) -> float:
         """Seconds to the first token here, less what is the same on every pod."""
-        return self.wait + (self.prefill_ahead + max(0, blocks - self.matched)) * self.block_seconds
+        prefill = (self.prefill_ahead + max(0, blocks - self.matched)) * self.block_seconds
+        running = self.load if self.queued is None else self.load - min(self.queued, self.load)
+        return self.wait + prefill + running * self.running_seconds
 
     @property
     def cost(self) -> float:

@@ -101,19 +101,28 @@ def test_homes_only_break_ties():
         assert policy.rank(busy, blocks=10, affinity=affinity)[0].pod != home
 
 
-def test_service_times_learn_a_slot_and_the_prefill_cost_of_a_block():
+def test_service_times_learn_a_slot_and_the_prefill_cost_of_a_block_and_of_the_batch():
     times = ServiceTimes()
-    assert (times.request_seconds, times.block_seconds) == (DEFAULT_REQUEST_SECONDS, DEFAULT_BLOCK_SECONDS)
-    for i in range(40):  # time to first token = 20 ms + 3 ms per block of prefill ahead
-        blocks = 5 + (i % 8) * 10
-        times.first_token(blocks, 0.020 + 0.003 * blocks)
+    assert (times.request_seconds, times.block_seconds, times.running_seconds) == (
+        DEFAULT_REQUEST_SECONDS,
+        DEFAULT_BLOCK_SECONDS,
+        0.0,
+    )
+    for i in range(60):  # time to first token = 20 ms + 3 ms per block ahead + 40 ms per running request
+        blocks, running = 5 + (i % 8) * 10, i % 3
+        times.first_token(blocks, running, 0.020 + 0.003 * blocks + 0.040 * running)
         times.finished(1.5)
     assert times.block_seconds == pytest.approx(0.003)
+    assert times.running_seconds == pytest.approx(0.040)
     assert times.request_seconds == pytest.approx(1.5)
     times = ServiceTimes()
-    for _ in range(40):  # every request the same size: no slope to fit, the default stays
-        times.first_token(10, 0.5)
-    assert times.block_seconds == DEFAULT_BLOCK_SECONDS
+    for i in range(40):  # every request the same size: no slope to fit, the default stays
+        times.first_token(10, i % 2, 0.5 + 0.1 * (i % 2))
+    assert times.block_seconds == DEFAULT_BLOCK_SECONDS and times.running_seconds == pytest.approx(0.1)
+    times = ServiceTimes()
+    for i in range(40):  # an idle fleet: the batch never holds anything, the blocks alone are fitted
+        times.first_token(10 + i, 0, 0.01 * (10 + i))
+    assert times.block_seconds == pytest.approx(0.01) and times.running_seconds == 0.0
 
 
 def test_the_tracker_keeps_the_prefill_ahead_until_the_first_bytes_and_learns_only_from_free_slots():
@@ -134,7 +143,7 @@ def test_the_tracker_keeps_the_prefill_ahead_until_the_first_bytes_and_learns_on
     tracker.finish(third, now=1.0)
     tracker.finish(first, now=1.0)
     assert tracker.prefilling["a"] == 0 and tracker.in_flight["a"] == 0
-    assert tracker.times._fit[0] == 1  # only the first: the third waited, the second never answered
+    assert tracker.times.first_tokens_seen == 1  # only the first: the third waited, the second never answered
     unstreamed = tracker.start("a", prefill_blocks=3, learn=False, now=2.0)
     assert not unstreamed.free_slot  # its first bytes are its whole answer
 
@@ -152,6 +161,10 @@ def test_kv_ttft_weighs_a_hit_by_the_prefill_it_saves_against_the_wait():
     policy = make_policy("kv-ttft", rng=random.Random(0))
     block = 0.005
     idle = Candidate("idle", matched=0, load=0.0, queued=0.0, block_seconds=block)
+    # A batch that runs requests slows the prefill: each costs what the tracker learned.
+    crowded = Candidate("crowded", matched=0, load=3.0, queued=0.0, block_seconds=block, running_seconds=0.05)
+    assert crowded.expected_ttft(10) == pytest.approx(0.05 + 3 * 0.05)
+    assert policy.rank([crowded, idle], blocks=10)[0].pod == "idle"
     # A short prompt (28 blocks, 0.14 s of prefill) held where a request waits 0.25 s: not worth it.
     short = Candidate("holder", matched=28, load=4.0, queued=0.0, wait=0.25, block_seconds=block)
     assert policy.rank([idle, short], blocks=28)[0].pod == "idle"
