@@ -40,6 +40,7 @@ help:
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
 	@echo "make bench-peers - the peer routers (vllm-router, SMG) into var/peers"
 	@echo "make conformance - vLLM 0.33's own KV-cache manager and publisher against ingest and scoring"
+	@echo "make bench-aiperf - NVIDIA's aiperf, the client bench/aiperf.py runs, into var/aiperf"
 	@echo "make e2e-vllm - the end-to-end suite through the gateway to two real vLLM engines"
 	@echo "make bench-dynamo - NVIDIA Dynamo's KV router (bench/dynamo.py) into var/dynamo"
 
@@ -203,6 +204,19 @@ $(VLLM_MODEL_DIR)/config.json: engines/prepare.py $(VLLM_VENV)/.installed | $(VE
 	  --tokenizer "$$($(PY) -c 'from tokenization.tokenizers import qwen_package_tokenizer_dir as d; print(d())')"
 
 vllm-engines: $(VLLM_VENV)/.installed $(VLLM_MODEL_DIR)/config.json
+
+# aiperf, NVIDIA's benchmark client, which bench/aiperf.py runs against the gateway: pinned in
+# bench/aiperf-requirements.txt, in a venv of its own, var/aiperf (about 70 s and 1.2 GB once;
+# nothing to do while the stamp is newer than the requirements).
+AIPERF_VENV := var/aiperf
+
+$(AIPERF_VENV)/.installed: bench/aiperf-requirements.txt
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --disable-pip-version-check -q -r bench/aiperf-requirements.txt
+	touch $@
+
+.PHONY: bench-aiperf
+bench-aiperf: $(AIPERF_VENV)/.installed
 
 # `make e2e-vllm`: the end-to-end suite against two real engines behind the stack (tests/vllm/,
 # bench/vllm_system.py), alone; `make test` runs it with the rest.
