@@ -177,6 +177,23 @@ def scaled_window(
     return out
 
 
+def check_block_sizes(records: list[dict], tokens_per_block: int) -> None:
+    """ValueError when an id is a whole block in one request and a partial last block (or a
+    partial one of another size) in another: aiperf refuses such a trace while loading it."""
+    sizes: dict[int, int] = {}
+    for record in records:
+        ids = record["hash_ids"]
+        for index, hash_id in enumerate(ids):
+            size = tokens_per_block
+            if index == len(ids) - 1:
+                size = min(tokens_per_block, record["input_length"] - index * tokens_per_block)
+            if sizes.setdefault(hash_id, size) != size:
+                raise ValueError(
+                    f"hash id {hash_id} is {sizes[hash_id]} tokens in one request and {size} in another"
+                    f" (the request at {record['timestamp']} ms): aiperf wants one size per id"
+                )
+
+
 def write_jsonl(records: list[dict], path: Path) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -379,6 +396,7 @@ def run(args: argparse.Namespace) -> dict:
     scaled = scaled_window(
         records, qps=args.qps, tokens_per_block=args.tokens_per_block, output_scale=args.output_scale
     )
+    check_block_sizes(scaled, args.tokens_per_block)
     fleet_blocks = args.pods * int(FLEET[FLEET.index("--kv-cache-size") + 1])
     document: dict = {
         "machine": machine(),
