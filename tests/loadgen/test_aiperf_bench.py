@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import aiperf
+from bench import aiperf, routing
+from simulator.loadgen.trace import TraceSpec
 
 needs_aiperf = pytest.mark.skipif(
     not aiperf.aiperf_installed(), reason="aiperf is not installed: run `make bench-aiperf`"
@@ -34,65 +35,43 @@ def write_trace(path: Path, records: list[dict]) -> Path:
 # -- the window ----------------------------------------------------------------------------
 
 
-def test_input_lengths_scale_with_the_block_and_keep_the_last_block_partial():
-    # Mooncake's first request: 14 ids of 512 tokens, 6,758 tokens -> 212 of 14 x 16.
-    assert aiperf.scaled_input_length(6758, 14, tokens_per_block=16, block_size=512) == 212
+def test_input_lengths_scale_as_loadgens_and_keep_the_last_block_partial():
+    # Mooncake's first request: 14 ids of 512 tokens, 6,758 tokens -> 211 of 14 x 16.
+    assert aiperf.scaled_input_length(6758, 14, tokens_per_block=16, block_size=512) == 211
     # Whole blocks stay whole; a sliver of a last block still gets one token of its own.
     assert aiperf.scaled_input_length(1024, 2, tokens_per_block=16, block_size=512) == 32
     assert aiperf.scaled_input_length(513, 2, tokens_per_block=16, block_size=512) == 17
     # A line whose length and ids disagree is brought inside what aiperf accepts for its ids.
     assert aiperf.scaled_input_length(100, 3, tokens_per_block=16, block_size=512) == 33
     assert aiperf.scaled_input_length(5000, 1, tokens_per_block=16, block_size=512) == 16
-    assert aiperf.scaled_input_length(40, 0, tokens_per_block=16, block_size=512) == 2
+    assert aiperf.scaled_input_length(40, 0, tokens_per_block=16, block_size=512) == 1
 
 
-def test_arrivals_keep_the_trace_pace_or_scale_every_gap_to_the_rate():
-    stamps = [1000.0, 1000.0, 1500.0, 3000.0, 5000.0]  # 4 gaps over 4 s: 1 request/s
-    assert aiperf.arrival_ms(stamps, None) == [0.0, 0.0, 500.0, 2000.0, 4000.0]
-    # At 4 requests/s every gap is a quarter: the burst at the start stays a burst.
-    assert aiperf.arrival_ms(stamps, 4.0) == [0.0, 0.0, 125.0, 500.0, 1000.0]
-    assert aiperf.arrival_ms([7.0, 7.0], 8.0) == [0.0, 0.0]  # no span: nothing to stretch
-
-
-def test_the_trace_is_read_in_time_order_and_windowed_by_seconds_and_count(tmp_path):
+def test_the_window_is_loadgens_requests_at_loadgens_times(tmp_path):
     path = write_trace(
         tmp_path / "t.jsonl",
-        [line(2000, 600, [1, 2]), line(0, 512, [1]), line(1000, 512, [3]), line(1000, 700, [3, 4])],
+        [
+            line(2000, 1100, [1, 2, 3], 500),
+            line(0, 6758, list(range(14)), 3),
+            line(1000, 600, [1, 2]),
+            {"timestamp": 4000, "prompt": "a prompt of its own"},  # loadgen's own format
+            line(8000, 512, [9]),
+        ],
     )
-    records = aiperf.read_trace(path)
-    assert [(r["timestamp"], r["hash_ids"]) for r in records] == [
-        (0, [1]),
-        (1000, [3]),
-        (1000, [3, 4]),  # a tie keeps the file's order
-        (2000, [1, 2]),
+    spec = TraceSpec(str(path), tokens_per_block=16, output_scale=0.2, max_output_tokens=64)
+    lines = aiperf.replay_window(spec, requests=4, qps=0.5, max_tokens=7)
+    # 4 gaps over 8 s (0.5 requests/s) at 0.5 requests/s: the trace's own times, the fifth not sent.
+    assert lines == [
+        {"timestamp": 0.0, "input_length": 211, "hash_ids": list(range(14)), "output_length": 1},
+        {"timestamp": 1000.0, "input_length": 19, "hash_ids": [1, 2], "output_length": 13},
+        {"timestamp": 2000.0, "input_length": 34, "hash_ids": [1, 2, 3], "output_length": 64},
+        {"timestamp": 4000.0, "text_input": "a prompt of its own", "output_length": 7},
     ]
-    assert [r["hash_ids"] for r in aiperf.window(records, start_s=1, requests=2)] == [[3], [3, 4]]
-    assert len(aiperf.window(records, start_s=0, requests=100)) == 4
-    with pytest.raises(ValueError, match="no request 3 s into the trace"):
-        aiperf.window(records, start_s=3, requests=1)
-
-
-def test_a_line_without_its_lengths_is_named(tmp_path):
-    path = tmp_path / "t.jsonl"
-    path.write_text(
-        json.dumps(line(0, 10, [1])) + "\n\n" + json.dumps({"timestamp": 5, "hash_ids": [1]}) + "\n"
-    )
-    with pytest.raises(ValueError, match=r"t.jsonl:3: no input_length"):
-        aiperf.read_trace(path)
-
-
-def test_the_replayed_window_scales_prompts_outputs_and_arrivals_together():
-    records = [
-        line(0, 6758, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 500),
-        line(500, 1100, [0, 14, 15], 3),
-    ]
-    scaled = aiperf.scaled_window(records, qps=4.0)
-    assert scaled == [
-        {"timestamp": 0.0, "input_length": 212, "output_length": 16, "hash_ids": records[0]["hash_ids"]},
-        {"timestamp": 250.0, "input_length": 35, "output_length": 1, "hash_ids": [0, 14, 15]},
-    ]
-    longer = aiperf.scaled_window(records, qps=None, output_scale=0.5)
-    assert [r["output_length"] for r in longer] == [250, 2] and longer[1]["timestamp"] == 500
+    # At 2 requests/s every gap of the whole window is a quarter, as loadgen's arrivals are.
+    faster = aiperf.replay_window(spec, requests=3, qps=2.0)
+    assert [x["timestamp"] for x in faster] == [0.0, 250.0, 500.0]
+    later = aiperf.replay_window(TraceSpec(str(path), start=1.5), requests=10, qps=None)
+    assert [x["timestamp"] for x in later] == [0.0, 2000.0, 6000.0]
 
 
 def test_an_id_that_is_whole_in_one_request_and_partial_in_another_is_refused_before_aiperf():
@@ -181,22 +160,29 @@ def test_aiperfs_export_is_read_in_seconds_with_its_failures_by_type():
     assert empty["ttft_s"] == {"p50": None, "p90": None, "p99": None} and empty["errors"] == {}
 
 
-def test_the_table_has_a_row_per_router_with_its_errors():
+def test_the_table_has_a_row_per_client_and_router_with_its_errors():
     summary = {
-        **aiperf.parse_export(EXPORT),
+        "client": "aiperf",
         "router": "kv-load",
+        **aiperf.parse_export(EXPORT),
         "fleet_hit_rate": 0.5,
         "overhead_p50_ms": 4.2,
     }
     table = aiperf.markdown_table([summary])
-    assert "| kv-load | 18 / 2 (InvalidInferenceResultError 2) | 0.070 | 0.124 | 0.287 |" in table
+    assert "| aiperf | kv-load | 18 / 2 (InvalidInferenceResultError 2) | 0.070 | 0.124 | 0.287 |" in table
     assert table.endswith("| 71.2 | 50.0% | 4.20 | 7.7 |")
-    assert "hit 50.0%" in aiperf.row(summary)
+    assert "hit 50.0%" in aiperf.row(summary) and "lag p90 7.7 ms" in aiperf.row(summary)
 
 
-def test_the_rate_is_a_number_or_the_traces_own():
-    assert aiperf.parse_qps("trace") is None and aiperf.parse_qps("8") == 8.0
-    assert aiperf.parse_args([]).qps == 8.0 and aiperf.parse_args(["--qps", "trace"]).qps is None
+def test_the_window_is_a_routing_trace_workload_unless_told_otherwise(tmp_path):
+    args = aiperf.parse_args([])
+    assert args.qps == 8.0 and args.requests == 600 and args.spec == routing.WORKLOADS["conversation"].trace
+    assert aiperf.parse_qps("trace") is None and aiperf.parse_args(["--qps", "trace"]).qps is None
+    mine = aiperf.parse_args(
+        ["--workload", "synthetic", "--trace", str(tmp_path / "t.jsonl"), "--start", "9"]
+    )
+    assert (mine.spec.path, mine.spec.start) == (str(tmp_path / "t.jsonl"), 9.0)
+    assert mine.spec.output_scale == routing.WORKLOADS["synthetic"].trace.output_scale
 
 
 # -- a real run ----------------------------------------------------------------------------
@@ -221,14 +207,18 @@ def test_aiperf_replays_a_small_trace_through_the_gateway_offline(tmp_path, caps
         ["--trace", str(trace), "--requests", "12", "--qps", "6", "--routers", "kv-load", "--pods", "2",
          "--out", str(out), "--keep-window", str(tmp_path)]
     )  # fmt: skip
-    [summary] = document["runs"]
-    assert summary["router"] == "kv-load" and summary["complete"]
-    assert (summary["ok"], summary["failed"]) == (12, 0), summary["errors"]
-    assert summary["ttft_s"]["p90"] > 0 and summary["output_tokens_per_s"] > 0
-    # Later turns re-send earlier turns' blocks: the pods served some of them from their caches.
-    assert summary["fleet_hit_rate"] > 0 and summary["usage_cached_prompt_share"] > 0
-    assert 0 < summary["overhead_p50_ms"] < 1000
+    ours, theirs = document["runs"]
+    assert (ours["client"], theirs["client"]) == ("aiperf", "loadgen")
+    assert ours["router"] == "kv-load" and ours["complete"]
+    for summary in (ours, theirs):
+        assert (summary["ok"], summary["failed"]) == (12, 0), summary["errors"]
+        assert summary["ttft_s"]["p90"] > 0 and summary["output_tokens_per_s"] > 0
+        # Later turns re-send earlier turns' blocks: the pods served some of them from their caches.
+        assert summary["fleet_hit_rate"] > 0 and summary["usage_cached_prompt_share"] > 0
+        assert 0 < summary["overhead_p50_ms"] < 1000
     assert json.loads(out.read_text())["runs"][0]["ok"] == 12
-    kept = aiperf.read_trace(tmp_path / "aiperf-window.jsonl")
-    assert [r["input_length"] for r in kept[:3]] == [29, 29, 29]  # 2 ids: 924 tokens / 32
-    assert "| kv-load | 12 / 0 |" in capsys.readouterr().out
+    kept = [json.loads(x) for x in (tmp_path / "aiperf-window.jsonl").read_text().splitlines()]
+    assert [x["input_length"] for x in kept[:3]] == [29, 29, 29]  # 2 ids: 924 tokens / 32
+    assert [x["output_length"] for x in kept[:3]] == [6, 6, 6]  # 32 x the workload's 0.2
+    printed = capsys.readouterr().out
+    assert "| aiperf | kv-load | 12 / 0 |" in printed and "| loadgen | kv-load | 12 / 0 |" in printed
