@@ -91,7 +91,7 @@ node-deps:
 # real vLLM engines (tests/vllm/, `make e2e-vllm`): about a minute to install once, 1.5 to run.
 # `make test`: lint, the suite (tests/), then `make conformance` (vLLM 0.33's own block manager
 # against ingest and scoring: about a minute, plus its venv's install the first time).
-test: install system-deps bench-peers bench-dynamo vllm-engines lint
+test: install system-deps bench-peers bench-dynamo bench-aiperf vllm-engines lint
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory conformance
 
