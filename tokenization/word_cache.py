@@ -150,7 +150,10 @@ class WordCacheTokenizer:
         ):
             offsets = encoding.offsets
             cache[word] = (tuple(encoding.ids), tuple(s for s, _ in offsets), tuple(e for _, e in offsets))
-        return [cache.get(w) or _entry(self._words, w) for w in words]
+        found = list(map(cache.get, words))
+        if None in found:  # another thread cleared the cache meanwhile
+            found = [entry or _entry(self._words, w) for w, entry in zip(words, found, strict=True)]
+        return found
 
 
 def _entry(words: Tokenizer, word: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
