@@ -326,8 +326,8 @@ class GatewayApp:
     async def _look_up(
         self, config: ServiceConfig, model: str, keyed: KeyedRequest
     ) -> tuple[ScoreResult | None, dict[str, int]]:
-        """The index's scores for ``keyed`` (``None`` when nothing can match or the index is
-        unavailable, which is counted) and its speculative entries (every gateway replica's).
+        """The index's scores for ``keyed`` (``None`` when nothing can match or reading the index
+        failed, which is counted) and its speculative entries (every gateway replica's).
         An index that reads on the event loop is read there, both reads at once on its pipelined
         connection (one round trip, no thread); another one in the pool."""
         if not keyed.needs_lookup:
@@ -346,7 +346,10 @@ class GatewayApp:
             return result, shared
         except IndexUnavailable:
             metrics.SCORE_FAILURES.labels("index_unavailable").inc()
-            return None, {}
+        except Exception as error:  # never the request's failure: it is routed on load alone
+            metrics.SCORE_FAILURES.labels(type(error).__name__).inc()
+            log.debug("routing %s without the index: %s", model, error)
+        return None, {}
 
     def _look_up_in_thread(
         self, index: KVIndex, config: ServiceConfig, model: str, keyed: KeyedRequest

@@ -67,14 +67,15 @@ class System:
             pod_addresses=addresses,
         )
 
-    def gateway(self, **settings) -> str:
-        """A gateway in front of the pods, telling matched blocks (``x-kvcache-matched-blocks``,
-        off by default: tests/security/test_gateway_matched_blocks.py) unless told otherwise."""
+    def gateway(self, index: object = None, **settings) -> str:
+        """A gateway in front of the pods (over ``index``, else the system's), telling matched
+        blocks (``x-kvcache-matched-blocks``, off by default:
+        tests/security/test_gateway_matched_blocks.py) unless told otherwise."""
         settings.setdefault("matched_blocks_header", True)
         app = GatewayApp(
             GatewayHandles(
                 config=ConfigSource(self.config, max_age=0.0),
-                index=lambda: self.index,
+                index=lambda: index or self.index,
                 tokenizers=lambda _config: self.tokenizers,
                 sandbox=lambda: None,
             ),
@@ -175,6 +176,32 @@ def test_over_a_redis_index_prefixes_and_shared_entries_are_read_on_the_loop(red
     shared = complete(second, new + " and more")
     assert shared.headers["x-kvcache-pod"] == pod
     assert int(shared.headers["x-kvcache-matched-blocks"]) >= len(keys) - 8
+
+
+class _FailingOnTheLoop:
+    """The system's index, but its reads on the event loop fail as no backend says they may."""
+
+    reads_async = True
+
+    def __init__(self, index) -> None:
+        self._index = index
+
+    def __getattr__(self, name: str):
+        return getattr(self._index, name)
+
+    async def alookup(self, **_):
+        raise RuntimeError("a bug in a backend")
+
+    async def aspeculated(self, **_):
+        raise RuntimeError("a bug in a backend")
+
+
+def test_an_index_failing_on_the_loop_costs_the_request_only_its_prefix(system: System) -> None:
+    url = system.gateway(index=_FailingOnTheLoop(system.index))
+    answer = complete(url, LONG)
+    assert answer.status_code == 200
+    assert answer.headers["x-kvcache-matched-blocks"] == "0"
+    assert 'kvcache_gateway_score_failures_total{reason="RuntimeError"}' in httpx.get(f"{url}/metrics").text
 
 
 def test_chat_is_templated_as_the_pod_does_and_routed_by_its_prefix(system: System) -> None:
