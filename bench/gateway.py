@@ -7,17 +7,34 @@ policy under test. Requests are sequential, non-streaming, one output token, ove
 connections; direct and gateway requests alternate, so both see the same machine. The overhead
 is the gateway's latency minus the direct one (medians, and per percentile).
 
-Prompts: *short* (a ~60-token completion prompt) and *chat* (a ~3,000-token system prompt plus a
-question: tokenizing it, with the chat template, is most of the gateway's own work).
+Prompts: *short* (a ~60-token completion prompt), *chat* (a ~3,000-token system prompt plus a
+question: the prefix store and the chain memo reuse all but the question) and *distinct* (each
+request a conversation of its own, ~1,000 tokens of seeded words: nothing to reuse, every token
+tokenized and every block hashed, as with the distinct prompts of a production trace).
+
+Every row also reports the gateway's own time (p50 and p90 of ``kvcache_gateway_overhead_seconds``
+over the row's requests, read from its ``/metrics``: interpolated within the histogram's buckets,
+0.5 / 1 / 2 / 5 / 10 ms) and the CPU time of the gateway process per request (its
+``/proc/<pid>/stat`` user + system time over the row, its load scraper included: ~0.01 ms a
+request at these rates).
+
+*distinct at N QPS* (``--load-qps``, 0 to skip): distinct prompts arriving as a Poisson process,
+streamed, ``--load-output-tokens`` each, so that requests overlap and the gateway relays answers
+while it keys new ones; the gateway's own time and CPU per request, no direct twin.
 
     .venv/bin/python bench/gateway.py [--requests 300] [--policies kv-load,random]
+        [--prompts short,chat,distinct] [--load-qps 6] [--load-requests 240]
         [--loops asyncio,uvloop] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import json
+import os
+import random
 import shutil
 import signal
 import statistics
@@ -34,9 +51,13 @@ import httpx  # noqa: E402
 
 from bench.faults import Valkey, free_port, free_port_range, project_env, wait_for  # noqa: E402
 from bench.machine import machine  # noqa: E402
+from dashboard.gateways import Buckets, parse_gateway_metrics  # noqa: E402
+from simulator.loadgen.workload import words  # noqa: E402
 
 MODEL = "Qwen/Qwen3-0.6B"
 WORDS = ["cache", "block", "prefix", "token", "engine", "router", "model", "latency", "memory"]
+DISTINCT_TOKENS = 1000
+PROMPTS = ("short", "chat", "distinct")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -153,8 +174,12 @@ def _answers(url: str, needle: bytes = b"") -> bool:
     return response.status_code == 200 and needle in response.content
 
 
-def bodies(kind: str, n: int) -> list[tuple[str, dict]]:
-    """(path, body) of ``n`` requests: distinct questions over one shared prefix."""
+def bodies(kind: str, n: int, *, start: int = 0) -> list[tuple[str, dict]]:
+    """(path, body) of ``n`` requests: distinct questions over one shared prefix (``short``,
+    ``chat``), or conversations that share nothing (``distinct``: requests ``start`` to
+    ``start + n``, each ~1,000 tokens of seeded words)."""
+    if kind == "distinct":
+        return [("/v1/chat/completions", distinct_body(i)) for i in range(start, start + n)]
     system = " ".join(WORDS[i % len(WORDS)] + str(i % 97) for i in range(1500))
     out = []
     for i in range(n):
@@ -167,18 +192,57 @@ def bodies(kind: str, n: int) -> list[tuple[str, dict]]:
     return out
 
 
-def measure(gateway_url: str, pod_url: str, kind: str, requests: int) -> dict:
+def distinct_body(i: int, *, max_tokens: int = 1, stream: bool = False) -> dict:
+    """Conversation ``i``: one user message of ~1,000 tokens of seeded words, its own from the
+    first word."""
+    text = words(random.Random(f"gateway-bench/distinct/{i}"), DISTINCT_TOKENS)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    return {**body, "stream": True} if stream else body
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_time(gateway_url: str) -> Buckets:
+    """The gateway's ``kvcache_gateway_overhead_seconds`` histogram so far."""
+    return parse_gateway_metrics(httpx.get(f"{gateway_url}/metrics", timeout=5).text).overhead
+
+
+class GatewayUse:
+    """What the gateway spent over a stretch of requests: its own time and its CPU time."""
+
+    def __init__(self, gateway_url: str, pid: int) -> None:
+        self.url, self.pid = gateway_url, pid
+        self.own, self.cpu = own_time(gateway_url), cpu_seconds(pid)
+
+    def report(self, requests: int) -> dict:
+        own = own_time(self.url).since(self.own)
+        p50, p90 = own.quantile(0.5), own.quantile(0.9)
+        return {
+            "own_p50_ms": None if p50 is None else round(1000 * p50, 3),
+            "own_p90_ms": None if p90 is None else round(1000 * p90, 3),
+            "cpu_ms_per_request": round(1000 * (cpu_seconds(self.pid) - self.cpu) / requests, 3),
+        }
+
+
+def measure(gateway_url: str, pid: int, pod_url: str, kind: str, requests: int) -> dict:
     direct, through = [], []
     with httpx.Client(timeout=30) as client:
-        for path, body in bodies(kind, 20):  # warm both (connections, caches, the prefix)
+        # Warm both (connections, caches, the prefix); distinct prompts warm with their own.
+        for path, body in bodies(kind, 20, start=10**6):
             client.post(pod_url + path, json=body)
             client.post(gateway_url + path, json=body)
+        use = GatewayUse(gateway_url, pid)
         for path, body in bodies(kind, requests):
             for url, into in ((pod_url, direct), (gateway_url, through)):
                 started = time.perf_counter()
                 response = client.post(url + path, json=body)
                 into.append((time.perf_counter() - started) * 1000)
                 assert response.status_code == 200, response.text
+        used = use.report(requests)
     overhead = [t - d for t, d in zip(through, direct, strict=True)]
     return {
         "direct_p50_ms": round(statistics.median(direct), 3),
@@ -186,8 +250,47 @@ def measure(gateway_url: str, pod_url: str, kind: str, requests: int) -> dict:
         "overhead_p50_ms": round(statistics.median(overhead), 3),
         "overhead_p90_ms": round(percentile(overhead, 0.9), 3),
         "overhead_p99_ms": round(percentile(overhead, 0.99), 3),
+        **used,
         "requests": requests,
     }
+
+
+def measure_loaded(gateway_url: str, pid: int, *, qps: float, requests: int, output_tokens: int) -> dict:
+    """Distinct prompts at ``qps`` (Poisson arrivals, seeded), streamed: the gateway's own time and
+    CPU per request while it relays the answers of the requests before."""
+
+    async def run() -> tuple[float, int]:
+        arrivals = random.Random(f"gateway-bench/arrivals/{qps}")
+        in_flight, most = 0, 0
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+
+            async def one(i: int) -> None:
+                nonlocal in_flight, most
+                in_flight += 1
+                most = max(most, in_flight)
+                body = distinct_body(i, max_tokens=output_tokens, stream=True)
+                try:
+                    async with client.stream(
+                        "POST", f"{gateway_url}/v1/chat/completions", json=body
+                    ) as answer:
+                        assert answer.status_code == 200, await answer.aread()
+                        async for _ in answer.aiter_bytes():
+                            pass
+                finally:
+                    in_flight -= 1
+
+            started = time.perf_counter()
+            tasks = []
+            for i in range(requests):
+                tasks.append(asyncio.create_task(one(2 * 10**6 + i)))
+                await asyncio.sleep(arrivals.expovariate(qps))
+            await asyncio.gather(*tasks)
+            return time.perf_counter() - started, most
+
+    use = GatewayUse(gateway_url, pid)
+    seconds, most = asyncio.run(run())
+    return {**use.report(requests), "rate_qps": round(requests / seconds, 2), "most_in_flight": most}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -196,6 +299,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--policies", default="kv-load,random")
+    parser.add_argument("--prompts", default=",".join(PROMPTS), help="rows: short,chat,distinct")
+    parser.add_argument("--load-qps", type=float, default=6.0, help="distinct prompts at this rate (0: none)")
+    parser.add_argument("--load-requests", type=int, default=240)
+    parser.add_argument("--load-output-tokens", type=int, default=64)
     parser.add_argument("--loops", default="asyncio", help="the gateway's event loops: asyncio,uvloop")
     parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "gateway.json")
     args = parser.parse_args(argv)
@@ -206,13 +313,23 @@ def main(argv: list[str] | None = None) -> dict:
             for policy in args.policies.split(","):
                 stack.stop_gateways()
                 url = stack.start_gateway(policy, loop)
-                for kind in ("short", "chat"):
-                    result = {
-                        "policy": policy,
-                        "loop": loop,
-                        "prompt": kind,
-                        **measure(url, stack.pod_url, kind, args.requests),
-                    }
+                pid = stack.gateways[-1].pid
+                rows = [
+                    (kind, functools.partial(measure, url, pid, stack.pod_url, kind, args.requests))
+                    for kind in args.prompts.split(",")
+                ]
+                if args.load_qps > 0:
+                    loaded = functools.partial(
+                        measure_loaded,
+                        url,
+                        pid,
+                        qps=args.load_qps,
+                        requests=args.load_requests,
+                        output_tokens=args.load_output_tokens,
+                    )
+                    rows.append((f"distinct at {args.load_qps:g} QPS", loaded))
+                for kind, run in rows:
+                    result = {"policy": policy, "loop": loop, "prompt": kind, **run()}
                     report["results"].append(result)
                     print(json.dumps(result), flush=True)
     finally:

@@ -40,6 +40,7 @@ Trust (issue 27):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -63,6 +64,7 @@ from scoring.read_path import (
     ChatRequest,
     KeyedRequest,
     ScoreResult,
+    alook_up,
     key_chat,
     key_prompt,
     key_token_ids,
@@ -98,6 +100,10 @@ FORWARDING = frozenset({b"forwarded", b"x-real-ip"})
 """With ``X-Forwarded-*``: what a client says of where it comes from, passed on from trusted proxies only."""
 CHALLENGE = [(b"www-authenticate", b'Bearer realm="kvcache-gateway"')]
 ROUTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+INLINE_MAX_BODY_BYTES = 16 * 1024
+"""A request body up to this size (a prompt of ~4,000 tokens, ~5 ms to key at most) is keyed on the
+event loop (``GatewayApp._keys_on_loop``); a larger one in the pool, so it holds up no other
+request's relay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +172,7 @@ class GatewayApp:
             connect_timeout=settings.connect_timeout, first_byte_timeout=settings.first_byte_timeout
         )
         self._scraper: asyncio.Task | None = None
+        self._writes: set[asyncio.Task] = set()  # speculative entries on their way to the index
         self._config: ServiceConfig | None = None
         self._proxies = TrustedProxies(settings.trusted_proxies)
         self._pod_authorization = (
@@ -251,7 +258,7 @@ class GatewayApp:
             raise _Refused(
                 503, f"no live pod serves {payload['model']!r} (disabled, down or no address)", "unavailable"
             )
-        keys, matched = await self._prefix(config, model, lora, kind, payload, pods)
+        keys, matched = await self._prefix(config, model, lora, kind, payload, pods, len(body))
         now = time.monotonic()
         candidates = []
         tracker = self.load
@@ -282,72 +289,122 @@ class GatewayApp:
         kind: str,
         payload: dict,
         pods: Mapping[str, str],
+        body_bytes: int,
     ) -> tuple[list[int], dict[str, int]]:
         """The request's block keys and, per pod, the leading blocks the policy's source says
         it holds ({} when the policy needs none, or tokenizing or the index failed)."""
         source = self.policy.source
         if source == "none":
             return [], {}
-        loop = asyncio.get_running_loop()
-        wanted = frozenset(pods) if source == "index" else None
         try:
-            # One trip to the pool for both steps: each trip is a thread hand-off each way.
-            keyed, result, shared = await loop.run_in_executor(
-                self._executor, self._key_and_look_up, config, model, lora, kind, payload, wanted
-            )
+            if self._keys_on_loop(config, model, kind, payload, body_bytes):
+                keyed = self._key(config, model, lora, kind, payload)
+            else:
+                keyed = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._key, config, model, lora, kind, payload
+                )
         except Exception as error:  # the pod will answer the request's own errors
             metrics.SCORE_FAILURES.labels(type(error).__name__).inc()
             log.debug("routing %s without its prefix: %s", model, error)
             return [], {}
         keys = keyed.keys
-        now = time.monotonic()
         if source == "memory":
-            return keys, self.memory.matched(model, keys, now=now)
+            return keys, self.memory.matched(model, keys, now=time.monotonic())
+        keyed.wanted = frozenset(pods)
+        result, shared = await self._look_up(config, model, keyed)
         matched: dict[str, int] = {}
         if result is not None:
             for holder, score in result.scores.items():
                 pod = owner_pod(holder)
                 matched[pod] = max(matched.get(pod, 0), score.matched_blocks)
-        for speculated in (shared, self.speculative.matched(model, keys, now=now)):
+        for speculated in (shared, self.speculative.matched(model, keys, now=time.monotonic())):
             for pod, n in speculated.items():
                 matched[pod] = max(matched.get(pod, 0), n)
         return keys, matched
 
-    def _key_and_look_up(
-        self,
-        config: ServiceConfig,
-        model: str,
-        lora: str | None,
-        kind: str,
-        payload: dict,
-        wanted: frozenset[str] | None,
-    ) -> tuple[KeyedRequest, ScoreResult | None, dict[str, int]]:
-        """The request's keys and, when ``wanted`` names the pods to ask about, the index's
-        scores for them (``None`` when not asked, nothing can match or the index is unavailable,
-        which is counted) and the index's speculative entries (every gateway replica's)."""
-        keyed = self._key(config, model, lora, kind, payload)
-        if wanted is None or not keyed.needs_lookup:
-            return keyed, None, {}
-        keyed.wanted = wanted
+    def _keys_on_loop(
+        self, config: ServiceConfig, model: str, kind: str, payload: dict, body_bytes: int
+    ) -> bool:
+        """Whether the request is keyed on the event loop: a body of at most
+        ``INLINE_MAX_BODY_BYTES``, no template of its own (it renders in the sandbox's process)
+        and the model's tokenizer already loaded. Such a request takes ~1.5 ms of CPU for 1,000
+        tokens; in the pool it took a thread hand-off each way and, with the loop busy relaying
+        other answers, a wait for the GIL after each step that releases it (tokenizing, every
+        index read): most of its own time under load."""
+        if body_bytes > INLINE_MAX_BODY_BYTES:
+            return False
+        if kind == "chat" and payload.get("chat_template") is not None:
+            return False
+        return self.handles.tokenizers(config).loaded(model) is not None
+
+    async def _look_up(
+        self, config: ServiceConfig, model: str, keyed: KeyedRequest
+    ) -> tuple[ScoreResult | None, dict[str, int]]:
+        """The index's scores for ``keyed`` (``None`` when nothing can match or reading the index
+        failed, which is counted) and its speculative entries (every gateway replica's).
+        An index that reads on the event loop is read there, both reads at once on its pipelined
+        connection (one round trip, no thread); another one in the pool."""
+        if not keyed.needs_lookup:
+            return None, {}
         index = self.handles.index()
         try:
-            result = look_up(index, keyed, config=config)
-            shared = index.speculated(model=model, keys=keyed.keys) if self._sharing else {}
+            if not getattr(index, "reads_async", False):
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._look_up_in_thread, index, config, model, keyed
+                )
+            if not self._sharing:
+                return await alook_up(index, keyed, config=config), {}
+            result, shared = await asyncio.gather(
+                alook_up(index, keyed, config=config), self._speculated(index, model, keyed)
+            )
+            return result, shared
         except IndexUnavailable:
             metrics.SCORE_FAILURES.labels("index_unavailable").inc()
-            return keyed, None, {}
-        return keyed, result, shared
+        except Exception as error:  # never the request's failure: it is routed on load alone
+            metrics.SCORE_FAILURES.labels(type(error).__name__).inc()
+            log.debug("routing %s without the index: %s", model, error)
+        return None, {}
+
+    def _look_up_in_thread(
+        self, index: KVIndex, config: ServiceConfig, model: str, keyed: KeyedRequest
+    ) -> tuple[ScoreResult, dict[str, int]]:
+        result = look_up(index, keyed, config=config)
+        shared = index.speculated(model=model, keys=keyed.keys) if self._sharing else {}
+        return result, shared
+
+    async def _speculated(self, index: KVIndex, model: str, keyed: KeyedRequest) -> dict[str, int]:
+        """The index's speculative entries for ``keyed``, on the event loop where the index reads
+        there (``aspeculated``), else in the pool."""
+        aspeculated = getattr(index, "aspeculated", None)
+        if aspeculated is not None:
+            return await aspeculated(model=model, keys=keyed.keys)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(index.speculated, model=model, keys=keyed.keys)
+        )
 
     def _share_speculation(self, model: str, pod: str, keys: list[int]) -> None:
-        """The speculative entry, written to the index for the other replicas (in the pool, off
-        the request's path; failures are counted)."""
+        """The speculative entry, written to the index for the other replicas, off the request's
+        path: on the event loop where the index writes there (``aspeculate``: one script call on
+        its pipelined connection), else in the pool. Failures are counted."""
+        index = self.handles.index()
+        seconds = self.settings.speculative_seconds
+        if getattr(index, "aspeculate", None) is None or not getattr(index, "reads_async", False):
+            self._executor.submit(self._speculate_in_thread, index, model, pod, keys)
+            return
+        task = asyncio.create_task(index.aspeculate(model=model, pod=pod, keys=keys, seconds=seconds))
+        self._writes.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task) -> None:
+        self._writes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _count_speculation_failure(task.exception())
+
+    def _speculate_in_thread(self, index: KVIndex, model: str, pod: str, keys: list[int]) -> None:
         try:
-            self.handles.index().speculate(
-                model=model, pod=pod, keys=keys, seconds=self.settings.speculative_seconds
-            )
+            index.speculate(model=model, pod=pod, keys=keys, seconds=self.settings.speculative_seconds)
         except Exception as error:
-            metrics.SCORE_FAILURES.labels(f"speculate_{type(error).__name__}").inc()
-            log.debug("could not share the speculative entry of %s: %s", pod, error)
+            _count_speculation_failure(error)
 
     def _key(
         self, config: ServiceConfig, model: str, lora: str | None, kind: str, payload: dict
@@ -442,7 +499,7 @@ class GatewayApp:
                     if self.policy.source == "index":
                         self.speculative.record(model, keys, pod, now=time.monotonic())
                         if self._sharing and keys:
-                            self._executor.submit(self._share_speculation, model, pod, keys)
+                            self._share_speculation(model, pod, keys)
                     elif self.policy.source == "memory":
                         self.memory.record(model, keys, pod, now=time.monotonic())
                     metrics.MATCHED.labels(policy).inc(candidate.matched)
@@ -566,6 +623,11 @@ class GatewayApp:
         return {
             pod: address for m in set(config.pods.values()) for pod, address in _live_pods(config, m).items()
         }
+
+
+def _count_speculation_failure(error: BaseException) -> None:
+    metrics.SCORE_FAILURES.labels(f"speculate_{type(error).__name__}").inc()
+    log.debug("could not share a speculative entry: %s", error)
 
 
 def _base_model(config: ServiceConfig, name: str) -> tuple[str, str | None]:

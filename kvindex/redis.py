@@ -1030,6 +1030,28 @@ def _held_each(values: Sequence[bytes | None], head: int = 0) -> list[HolderMap]
 _PACK_WORD = struct.Struct(">Q").pack
 
 
+def _speculated_runs(points: list[int], values: Sequence[bytes | None]) -> dict[str, int]:
+    """``speculated_runs`` of the ``MGET`` of the speculation points: each value the entries
+    ``pod=until_ms`` of one point, separated by spaces; entries past their time do not count."""
+    now = int(time.time() * 1000)
+    holders: list[list[str]] = []
+    for value in values:
+        if value is None:
+            break  # a run ends at the first point nobody holds
+        held = []
+        for entry in value.split():
+            pod, _, until = entry.partition(b"=")
+            if int(until) > now:
+                held.append(decode_name(pod))
+        holders.append(held)
+    return speculated_runs(points[: len(holders)], holders)
+
+
+def _arg(value: bytes | int) -> bytes:
+    """A script argument as RESP sends it (redis-py writes an int in decimal, so does this)."""
+    return value if isinstance(value, bytes) else b"%d" % value
+
+
 def _words(values: Sequence[int]) -> list[bytes]:
     """Each block key or engine hash as 8 bytes, big-endian: how names and the per-holder
     structures hold them (``struct.error`` outside 0..2**64-1)."""
@@ -1417,13 +1439,42 @@ class RedisIndex:
     @_unavailable_on_connection_error
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
         """One script call: the request's speculation points get ``pod``'s entry."""
+        call = self._speculate_call(model, pod, keys, seconds)
+        if call is not None:
+            self._run(*call)
+
+    async def aspeculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
+        """``speculate`` for an event loop: the same script call on this loop's pipelined
+        connection (``alookup``'s), no thread; if the server lacks the script, ``speculate`` in the
+        loop's default thread pool loads it. Errors and time-outs as ``IndexUnavailable``."""
+        call = self._speculate_call(model, pod, keys, seconds)
+        if call is None:
+            return
+        reader = self._reader()
+        if reader is not None:
+            script, names, args = call
+            try:
+                await reader.execute(
+                    b"EVALSHA", script.sha.encode(), b"%d" % len(names), *names, *map(_arg, args)
+                )
+                return
+            except ReplyError as exc:
+                if not str(exc).startswith("NOSCRIPT"):
+                    raise IndexUnavailable(f"the Redis index refused a speculative entry: {exc}") from exc
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                raise IndexUnavailable(f"the Redis index is unreachable: {exc}") from exc
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.speculate, model=model, pod=pod, keys=keys, seconds=seconds)
+        )
+
+    def _speculate_call(self, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> _Call | None:
         points = speculation_points(len(keys))
         if not points or seconds <= 0:
-            return
+            return None
         prefix = _model_keys(self._prefix, model).speculative_prefix
         names = _block_names(prefix, [keys[point] for point in points])
         now = int(time.time() * 1000)
-        self._run(self._scripts.speculate, names, [encode_name(pod), now, now + max(1, int(seconds * 1000))])
+        return self._scripts.speculate, names, [encode_name(pod), now, now + max(1, int(seconds * 1000))]
 
     @_unavailable_on_connection_error
     def speculated(self, *, model: str, keys: Sequence[BlockKey]) -> dict[str, int]:
@@ -1433,18 +1484,25 @@ class RedisIndex:
             return {}
         prefix = _model_keys(self._prefix, model).speculative_prefix
         values = self._client.mget(_block_names(prefix, [keys[point] for point in points]))
-        now = int(time.time() * 1000)
-        holders: list[list[str]] = []
-        for value in values:
-            if value is None:
-                break  # a run ends at the first point nobody holds
-            held = []
-            for entry in value.split():
-                pod, _, until = entry.partition(b"=")
-                if int(until) > now:
-                    held.append(decode_name(pod))
-            holders.append(held)
-        return speculated_runs(points[: len(holders)], holders)
+        return _speculated_runs(points, values)
+
+    async def aspeculated(self, *, model: str, keys: Sequence[BlockKey]) -> dict[str, int]:
+        """``speculated`` for an event loop, as ``alookup`` reads (the same ``MGET``, on this loop's
+        pipelined connection: read together with ``alookup``, one round trip for both)."""
+        points = speculation_points(len(keys))
+        if not points:
+            return {}
+        reader = self._reader()
+        if reader is None:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self.speculated, model=model, keys=keys)
+            )
+        prefix = _model_keys(self._prefix, model).speculative_prefix
+        try:
+            values = await reader.execute(b"MGET", *_block_names(prefix, [keys[point] for point in points]))
+        except (OSError, ConnectionError, TimeoutError, ReplyError) as exc:
+            raise IndexUnavailable(f"the Redis index is unreachable: {exc}") from exc
+        return _speculated_runs(points, values)
 
     @_unavailable_on_connection_error
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:

@@ -36,8 +36,8 @@ LONG = " ".join(f"word{i}" for i in range(400))  # ~100 blocks
 class System:
     """Two simulated pods, ingest, an index, the registry snapshot, and gateways on demand."""
 
-    def __init__(self, tokenizer: PodTokenizer) -> None:
-        self.index = open_index("memory://")
+    def __init__(self, tokenizer: PodTokenizer, index_url: str = "memory://") -> None:
+        self.index = open_index(index_url)
         self.harness = Harness(self.index, ServiceConfig(seed=SEED, default_block_size=BLOCK))
         pod = PodConfig(
             pod_id="sim-0",
@@ -67,14 +67,15 @@ class System:
             pod_addresses=addresses,
         )
 
-    def gateway(self, **settings) -> str:
-        """A gateway in front of the pods, telling matched blocks (``x-kvcache-matched-blocks``,
-        off by default: tests/security/test_gateway_matched_blocks.py) unless told otherwise."""
+    def gateway(self, index: object = None, **settings) -> str:
+        """A gateway in front of the pods (over ``index``, else the system's), telling matched
+        blocks (``x-kvcache-matched-blocks``, off by default:
+        tests/security/test_gateway_matched_blocks.py) unless told otherwise."""
         settings.setdefault("matched_blocks_header", True)
         app = GatewayApp(
             GatewayHandles(
                 config=ConfigSource(self.config, max_age=0.0),
-                index=lambda: self.index,
+                index=lambda: index or self.index,
                 tokenizers=lambda _config: self.tokenizers,
                 sandbox=lambda: None,
             ),
@@ -111,7 +112,17 @@ def tokenizer() -> PodTokenizer:
 
 @pytest.fixture
 def system(tokenizer) -> Iterator[System]:
-    s = System(tokenizer)
+    yield from _system(System(tokenizer))
+
+
+@pytest.fixture
+def redis_system(tokenizer, redis_url: str) -> Iterator[System]:
+    """The same over a Redis index: the gateway reads it (and writes its speculative entries) on
+    its event loop, through the index's pipelined connection."""
+    yield from _system(System(tokenizer, redis_url))
+
+
+def _system(s: System) -> Iterator[System]:
     # ZeroMQ drops what a PUB sends before the subscription is through: poke until heard.
     with httpx.Client(timeout=30) as client:
         for pod, address in s.addresses.items():
@@ -145,6 +156,52 @@ def test_a_prompt_goes_back_to_the_pod_that_holds_its_prefix(system: System) -> 
         assert again.headers["x-kvcache-pod"] == pod
         assert int(again.headers["x-kvcache-matched-blocks"]) >= 20
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_over_a_redis_index_prefixes_and_shared_entries_are_read_on_the_loop(redis_system: System) -> None:
+    system = redis_system
+    assert system.index.reads_async
+    url = system.gateway(speculative_seconds=0.0)  # the index alone decides
+    pod = complete(url, LONG).headers["x-kvcache-pod"]
+    system.applied()
+    again = complete(url, LONG + " and then something else")
+    assert again.headers["x-kvcache-pod"] == pod
+    assert int(again.headers["x-kvcache-matched-blocks"]) >= 20
+    system.harness.pipeline.receiver.stop()  # no KV events reach the index from now on
+    first, second = system.gateway(speculative_seconds=30), system.gateway(speculative_seconds=30)
+    new = LONG.replace("word", "term")
+    pod = complete(first, new).headers["x-kvcache-pod"]
+    keys = key_prompt(tokenizers=system.tokenizers, config=system.config(), model=MODEL, prompt=new).keys
+    wait_until(lambda: system.index.speculated(model=MODEL, keys=keys), what="the shared entry")
+    shared = complete(second, new + " and more")
+    assert shared.headers["x-kvcache-pod"] == pod
+    assert int(shared.headers["x-kvcache-matched-blocks"]) >= len(keys) - 8
+
+
+class _FailingOnTheLoop:
+    """The system's index, but its reads on the event loop fail as no backend says they may."""
+
+    reads_async = True
+
+    def __init__(self, index) -> None:
+        self._index = index
+
+    def __getattr__(self, name: str):
+        return getattr(self._index, name)
+
+    async def alookup(self, **_):
+        raise RuntimeError("a bug in a backend")
+
+    async def aspeculated(self, **_):
+        raise RuntimeError("a bug in a backend")
+
+
+def test_an_index_failing_on_the_loop_costs_the_request_only_its_prefix(system: System) -> None:
+    url = system.gateway(index=_FailingOnTheLoop(system.index))
+    answer = complete(url, LONG)
+    assert answer.status_code == 200
+    assert answer.headers["x-kvcache-matched-blocks"] == "0"
+    assert 'kvcache_gateway_score_failures_total{reason="RuntimeError"}' in httpx.get(f"{url}/metrics").text
 
 
 def test_chat_is_templated_as_the_pod_does_and_routed_by_its_prefix(system: System) -> None:

@@ -208,6 +208,34 @@ def test_aholders_reads_on_the_loop_and_answers_as_holders_does(index: RedisInde
     assert run(index.aholders(model=MODEL, keys=[])) == []
 
 
+def test_aspeculated_reads_on_the_loop_and_answers_as_speculated_does(index: RedisIndex) -> None:
+    long = keys(chain(20))  # speculation points 7, 15 and 19
+    index.speculate(model=MODEL, pod="pod1", keys=long, seconds=30)
+    index.speculate(model=MODEL, pod="pod 2@x", keys=long[:16], seconds=30)
+
+    async def both() -> list:  # on one connection, pipelined: one round trip
+        return await asyncio.gather(
+            index.alookup(model=MODEL, keys=long), index.aspeculated(model=MODEL, keys=long)
+        )
+
+    assert run(both()) == [[], {"pod1": 20, "pod 2@x": 16}]
+    for asked in (long, long[:18], long[:7], [], keys(chain(20, first_token=1))):
+        assert run(index.aspeculated(model=MODEL, keys=asked)) == index.speculated(model=MODEL, keys=asked)
+
+
+def test_aspeculate_writes_on_the_loop_what_speculate_writes_even_after_a_script_flush(
+    index: RedisIndex, redis_url: str
+) -> None:
+    long = keys(chain(20))
+    run(index.aspeculate(model=MODEL, pod="pod1", keys=long, seconds=30))
+    assert index.speculated(model=MODEL, keys=long) == {"pod1": 20}
+    redis.Redis.from_url(redis_url).script_flush()  # NOSCRIPT: the script is loaded again
+    run(index.aspeculate(model=MODEL, pod="pod 2@x", keys=long[:16], seconds=30))
+    assert index.speculated(model=MODEL, keys=long) == {"pod1": 20, "pod 2@x": 16}
+    run(index.aspeculate(model=MODEL, pod="pod3", keys=long[:5], seconds=30))  # no point: nothing
+    assert index.speculated(model=MODEL, keys=long) == {"pod1": 20, "pod 2@x": 16}
+
+
 def test_alookup_on_a_server_that_is_gone_is_index_unavailable() -> None:
     server = RedisServer()
     index = open_index(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
