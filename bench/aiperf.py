@@ -73,6 +73,7 @@ import httpx  # noqa: E402
 from bench import routing  # noqa: E402
 from bench.gateway import Stack  # noqa: E402
 from bench.machine import machine  # noqa: E402
+from bench.routing import fmt, percent  # noqa: E402
 from simulator.loadgen.client import reset_prefix_cache, scrape_fleet  # noqa: E402
 from simulator.loadgen.report import fleet_hit_rate  # noqa: E402
 from simulator.loadgen.trace import PromptBuilder, TraceError, TraceSpec, arrivals, load_window  # noqa: E402
@@ -418,22 +419,14 @@ def run(args: argparse.Namespace) -> dict:
 # -- reporting -----------------------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _percent(rate: float | None) -> str:
-    return "-" if rate is None else f"{100 * rate:.1f}%"
-
-
 def row(s: dict) -> str:
     ttft, e2e = s["ttft_s"], s["e2e_s"]
     return (
-        f"ok {s['ok']:>4} fail {s['failed']:>3}  TTFT p50 {_fmt(ttft['p50'], '.3f')} "
-        f"p90 {_fmt(ttft['p90'], '.3f')} p99 {_fmt(ttft['p99'], '.3f')}  E2E p50 {_fmt(e2e['p50'], '.3f')} "
-        f"p90 {_fmt(e2e['p90'], '.3f')}  tok/s {_fmt(s['output_tokens_per_s'], '.0f')}  "
-        f"hit {_percent(s.get('fleet_hit_rate'))}  overhead {_fmt(s.get('overhead_p50_ms'), '.2f')} ms"
-        + (f"  lag p90 {_fmt(s['schedule_lag_p90_ms'], '.1f')} ms" if "schedule_lag_p90_ms" in s else "")
+        f"ok {s['ok']:>4} fail {s['failed']:>3}  TTFT p50 {fmt(ttft['p50'], '.3f')} "
+        f"p90 {fmt(ttft['p90'], '.3f')} p99 {fmt(ttft['p99'], '.3f')}  E2E p50 {fmt(e2e['p50'], '.3f')} "
+        f"p90 {fmt(e2e['p90'], '.3f')}  tok/s {fmt(s['output_tokens_per_s'], '.0f')}  "
+        f"hit {percent(s.get('fleet_hit_rate'))}  overhead {fmt(s.get('overhead_p50_ms'), '.2f')} ms"
+        + (f"  lag p90 {fmt(s['schedule_lag_p90_ms'], '.1f')} ms" if "schedule_lag_p90_ms" in s else "")
     )
 
 
@@ -449,11 +442,11 @@ def markdown_table(runs: list[dict]) -> str:
             f" ({', '.join(f'{k} {v}' for k, v in s['errors'].items())})" if s["errors"] else ""
         )
         lines.append(
-            f"| {s['client']} | {s['router']} | {s['ok']} / {failed} | {_fmt(ttft['p50'], '.3f')} "
-            f"| {_fmt(ttft['p90'], '.3f')} | {_fmt(ttft['p99'], '.3f')} "
-            f"| {_fmt(e2e['p50'], '.3f')} | {_fmt(e2e['p90'], '.3f')} "
-            f"| {_fmt(s['output_tokens_per_s'], '.1f')} | {_percent(s.get('fleet_hit_rate'))} "
-            f"| {_fmt(s.get('overhead_p50_ms'), '.2f')} | {_fmt(s.get('schedule_lag_p90_ms'), '.1f')} |"
+            f"| {s['client']} | {s['router']} | {s['ok']} / {failed} | {fmt(ttft['p50'], '.3f')} "
+            f"| {fmt(ttft['p90'], '.3f')} | {fmt(ttft['p99'], '.3f')} "
+            f"| {fmt(e2e['p50'], '.3f')} | {fmt(e2e['p90'], '.3f')} "
+            f"| {fmt(s['output_tokens_per_s'], '.1f')} | {percent(s.get('fleet_hit_rate'))} "
+            f"| {fmt(s.get('overhead_p50_ms'), '.2f')} | {fmt(s.get('schedule_lag_p90_ms'), '.1f')} |"
         )
     return "\n".join(lines)
 

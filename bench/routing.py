@@ -484,8 +484,8 @@ def goodput_lines(runs: list[dict]) -> list[str]:
             shown = f"{rate:g}" if bounded or run_ is None else f">= {rate:g}"
             at_peer = by.get((router, best[1])) if best else None
             lines.append(
-                f"| {workload} | {router} | {shown} | {_fmt(run_ and _tps(run_), '.1f')} "
-                f"| {_fmt(run_ and _p90(run_), '.3f')} | {_fmt(at_peer and _p90(at_peer), '.3f')} |"
+                f"| {workload} | {router} | {shown} | {fmt(run_ and _tps(run_), '.1f')} "
+                f"| {fmt(run_ and _p90(run_), '.3f')} | {fmt(at_peer and _p90(at_peer), '.3f')} |"
             )
         if best is not None and "kv-load" in routers:
             checks.append(_goodput_targets(runs, workload, best, by))
@@ -551,21 +551,23 @@ def measure(launcher: Routers, workload: Workload, router: str, qps: float, args
 # -- reporting -----------------------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` in ``spec``, or ``-`` when unknown."""
     return "-" if value is None else format(value, spec)
 
 
-def _percent(rate: float | None) -> str:
+def percent(rate: float | None) -> str:
+    """A rate as a percentage, or ``-`` when unknown."""
     return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
 def row(s: dict) -> str:
     ttft, e2e = s["ttft_s"], s["e2e_s"]
     return (
-        f"ok {s['ok']:>4} fail {s['failed']:>3}  TTFT p50 {_fmt(ttft['p50'], '.3f')} "
-        f"p90 {_fmt(ttft['p90'], '.3f')} p99 {_fmt(ttft['p99'], '.3f')}  E2E p90 {_fmt(e2e['p90'], '.3f')}  "
-        f"tok/s {_fmt(s['output_tokens_per_s'], '.0f')}  hit {_percent(s['fleet_hit_rate'])}"
-        f"  overhead {_fmt(s.get('overhead_p50_ms'), '.2f')} ms"
+        f"ok {s['ok']:>4} fail {s['failed']:>3}  TTFT p50 {fmt(ttft['p50'], '.3f')} "
+        f"p90 {fmt(ttft['p90'], '.3f')} p99 {fmt(ttft['p99'], '.3f')}  E2E p90 {fmt(e2e['p90'], '.3f')}  "
+        f"tok/s {fmt(s['output_tokens_per_s'], '.0f')}  hit {percent(s['fleet_hit_rate'])}"
+        f"  overhead {fmt(s.get('overhead_p50_ms'), '.2f')} ms"
     )
 
 
@@ -579,9 +581,9 @@ def markdown_table(runs: list[dict]) -> str:
         ttft, hit = s["ttft_s"], s["fleet_hit_rate"]
         lines.append(
             f"| {s['workload']} | {s['router']} | {s['qps']:g} | {s['ok']} / {s['failed']} "
-            f"| {_fmt(ttft['p50'], '.3f')} | {_fmt(ttft['p90'], '.3f')} | {_fmt(ttft['p99'], '.3f')} "
-            f"| {_fmt(s['e2e_s']['p90'], '.3f')} | {_fmt(s['output_tokens_per_s'], '.1f')} "
-            f"| {_percent(hit)} | {_fmt(s.get('overhead_p50_ms'), '.2f')} |"
+            f"| {fmt(ttft['p50'], '.3f')} | {fmt(ttft['p90'], '.3f')} | {fmt(ttft['p99'], '.3f')} "
+            f"| {fmt(s['e2e_s']['p90'], '.3f')} | {fmt(s['output_tokens_per_s'], '.1f')} "
+            f"| {percent(hit)} | {fmt(s.get('overhead_p50_ms'), '.2f')} |"
         )
     return "\n".join(lines)
 

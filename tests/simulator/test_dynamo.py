@@ -7,10 +7,8 @@ tests that run Dynamo skip, saying so.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +25,10 @@ from bench.dynamo import (
     start_dynamo,
 )
 from bench.faults import free_port_range
-from simulator.fleet import Fleet, FleetConfig, PublishConfig
+from simulator.fleet import FleetConfig, PublishConfig
 from simulator.pod import PodTokenizer
 from tests.simulator.conftest import MODEL, pod_config
+from tests.simulator.threaded_fleet import ThreadedFleet
 from tokenization.tokenizers import qwen_package_tokenizer_dir
 
 needs_dynamo = pytest.mark.skipif(
@@ -38,7 +37,7 @@ needs_dynamo = pytest.mark.skipif(
 BLOCK_SIZE = 16
 
 
-class RunningFleet:
+class RunningFleet(ThreadedFleet):
     """Two zero-latency pods on free loopback ports, each binding its KV-event PUB socket (as
     vLLM does by default), served from a thread's event loop."""
 
@@ -50,18 +49,7 @@ class RunningFleet:
             base_port=0,
             publish=PublishConfig(endpoint=self.events),
         )
-        self.fleet = Fleet(config, tokenizer=tokenizer, graceful_timeout=0.5)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.fleet.start(), self.loop).result(30)
-        self.urls = [p.url for p in self.fleet.pods]
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.fleet.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
+        super().__init__(config, tokenizer)
 
 
 @pytest.fixture(scope="module")

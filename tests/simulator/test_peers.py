@@ -7,9 +7,7 @@ it these tests skip, saying so.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +17,11 @@ import pytest
 
 from bench.peers import PEERS, PeersNotInstalled, peers_installed, start_peer
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
-from simulator.fleet import Fleet, FleetConfig, PublishConfig
+from simulator.fleet import FleetConfig, PublishConfig
 from simulator.pod import PodTokenizer
 from simulator.server import POD_HEADER
 from tests.simulator.conftest import MODEL
+from tests.simulator.threaded_fleet import ThreadedFleet
 
 needs_peers = pytest.mark.skipif(
     not peers_installed(), reason="the peer routers are not installed: run `make bench-peers`"
@@ -31,7 +30,7 @@ needs_peers = pytest.mark.skipif(
 SYSTEM = "You answer questions about KV caches for a routing test, in one short sentence each. " * 4
 
 
-class RunningFleet:
+class RunningFleet(ThreadedFleet):
     """Two zero-latency pods on free loopback ports, served from a thread's event loop."""
 
     def __init__(self, tokenizer: PodTokenizer) -> None:
@@ -44,18 +43,7 @@ class RunningFleet:
             ),
         )
         config = FleetConfig(pod=pod, pods=2, base_port=0, publish=PublishConfig(endpoint=None))
-        self.fleet = Fleet(config, tokenizer=tokenizer, graceful_timeout=0.5)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.fleet.start(), self.loop).result(30)
-        self.urls = [p.url for p in self.fleet.pods]
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.fleet.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
+        super().__init__(config, tokenizer)
 
 
 @pytest.fixture(scope="module")
