@@ -176,7 +176,6 @@ from kvindex.base import (
     StoredBlock,
     Tier,
     slices,
-    speculated_runs,
     speculation_points,
 )
 from kvindex.keys import BlockKey, Digest
@@ -194,6 +193,7 @@ from kvindex.redis import (
     _held_each,
     _held_run,
     _Script,
+    _speculated_runs,
     _words,
     decode_name,
     encode_name,
@@ -1171,18 +1171,7 @@ class RedisClusterIndex:
             return {}
         prefix = _model_keys(self._prefix, model).speculative_prefix
         values = self._read_tagged(prefix, [keys[point] for point in points])
-        now = int(time.time() * 1000)
-        holders: list[list[str]] = []
-        for value in values:
-            if value is None:
-                break
-            held = []
-            for entry in value.split():
-                pod, _, until = entry.partition(b"=")
-                if int(until) > now:
-                    held.append(decode_name(pod))
-            holders.append(held)
-        return speculated_runs(points[: len(holders)], holders)
+        return _speculated_runs(points, values)
 
     @_unavailable_on_cluster_error
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:
