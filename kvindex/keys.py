@@ -97,7 +97,7 @@ def _uint_head(major: int, n: int) -> bytes:
 
 # Encoded tokens for the common vocabulary range, so that encoding a block is a table look-up
 # per token plus one join. Larger ids fall back to _uint_head.
-_TOKEN_TABLE_SIZE = 1 << 18
+_TOKEN_TABLE_SIZE = 1 << 16
 _TOKEN_TABLE: tuple[bytes, ...] = tuple(_uint_head(0, n) for n in range(_TOKEN_TABLE_SIZE))
 # Array heads for every token count up to 1023 (block sizes in practice are 16..256).
 _ARRAY_HEADS: tuple[bytes, ...] = tuple(_uint_head(4, n) for n in range(1024))
@@ -115,11 +115,9 @@ def _encode_token(t: int) -> bytes:
 
 def _encode_tokens(tokens: Sequence[int]) -> list[bytes]:
     """The CBOR of each token id, in order. ValueError for an id outside uint64."""
-    try:
-        # A negative id would index the table from its end: filter it out and notice below.
-        encoded = [_TOKEN_TABLE[t] for t in tokens if t >= 0]
-    except IndexError:
-        encoded = []
+    table, size = _TOKEN_TABLE, _TOKEN_TABLE_SIZE
+    # A negative id would index the table from its end: filter it out and notice below.
+    encoded = [table[t] if t < size else _encode_token(t) for t in tokens if t >= 0]
     if len(encoded) != len(tokens):
         encoded = [_encode_token(t) for t in tokens]
     return encoded

