@@ -20,7 +20,8 @@ and handed to aiperf as a Mooncake file:
 * the same output lengths as loadgen's (the workload's scale and cap), sent as
   ``max_completion_tokens`` with ``ignore_eos``, so every answer is that long;
 * the same arrival times: the window's gaps scaled by one factor to a mean of ``--qps`` (bursts
-  stay bursts; ``--qps trace``: the trace's own pace), which aiperf replays as they are (its
+  stay bursts; ``--qps trace``: the trace's own pace; ``--spread-ties``: requests sharing a
+  timestamp spread first, as loadgen's option does), which aiperf replays as they are (its
   fixed-schedule mode).
 
 Both send streaming chat completions, one user message each. aiperf counts tokens from the
@@ -46,7 +47,7 @@ Qwen3), whose text is empty, so an echoed answer of one token has no content and
 failed (``InvalidInferenceResultError: No responses with actual content``).
 
     .venv/bin/python bench/aiperf.py [--workload conversation|synthetic] [--trace FILE]
-        [--start 0] [--requests 600] [--qps 8|trace] [--routers kv-load,random]
+        [--start 0] [--requests 600] [--qps 8|trace] [--spread-ties] [--routers kv-load,random]
         [--clients aiperf,loadgen] [--keep-window DIR] [--keep-artifacts DIR]
         [--out var/bench/aiperf.json]
 """
@@ -112,12 +113,14 @@ def replay_window(spec: TraceSpec, *, requests: int, qps: float | None, max_toke
     """The first ``requests`` requests of ``spec``'s window as Mooncake lines for aiperf, as
     loadgen replays them (``run_step`` with ``requests``): the same output lengths
     (``max_tokens`` for a line without one), arrival times from the same rescaling of the whole
-    window's gaps (``qps`` None: the trace's own pace), in ms from the first; the same hash ids,
-    the input lengths in ``spec``'s tokens per block. A line that gave its prompt keeps it."""
+    window's gaps (``qps`` None: the trace's own pace; ties spread first when ``spec`` says so),
+    in ms from the first; the same hash ids, the input lengths in ``spec``'s tokens per block. A
+    line that gave its prompt keeps it."""
     trace = load_window(spec)
     builder = PromptBuilder(spec)
     out = []
-    for request, at in zip(trace[:requests], arrivals(trace, qps)[:requests], strict=True):
+    times = arrivals(trace, qps, spread_ties=spec.spread_ties)
+    for request, at in zip(trace[:requests], times[:requests], strict=True):
         line: dict = {"timestamp": round(1000 * at, 3)}
         if request.prompt is not None:
             line["text_input"] = request.prompt
@@ -473,6 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="default the workload's (600)")
     parser.add_argument("--qps", type=parse_qps, default=8.0, help="mean rate, or 'trace' (default 8)")
     parser.add_argument(
+        "--spread-ties", action="store_true", help="spread requests sharing a timestamp (loadgen's option)"
+    )
+    parser.add_argument(
         "--routers", default="kv-load,random", help="gateway policies (default kv-load,random)"
     )
     parser.add_argument("--clients", default="aiperf,loadgen", help="default aiperf,loadgen")
@@ -490,6 +496,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.spec = replace(args.spec, path=str(args.trace))
     if args.start is not None:
         args.spec = replace(args.spec, start=args.start)
+    if args.spread_ties:
+        args.spec = replace(args.spec, spread_ties=True)
     args.requests = args.requests or args.workload.requests
     return args
 

@@ -28,7 +28,10 @@ Workloads (:data:`WORKLOADS`):
   (``loadgen --trace``; Moonshot AI's Kimi service, FAST'25), their 512-token blocks sent as 16
   tokens each so that their working set is ~3x the fleet's KV cache, outputs scaled to this
   fleet's. The traces are read from ``$KVCACHE_TRACES`` (default ``../shared/traces`` beside the
-  checkout); they are not in the repository.
+  checkout); they are not in the repository. ``--spread-ties`` replays them with the requests
+  that share a timestamp spread over the gap to the next one (``loadgen --spread-ties``), named
+  ``<name>-spread`` (``conversation-spread``, ...) so that those runs are never merged with the
+  trace's own arrivals.
 
 ``--fleet vllm``: the same routers in front of 2 real vLLM engines instead (``bench/vllm_system.py``:
 vLLM 0.32 on the CPU, the random-weight Qwen3 of ``make vllm-engines``, 256 blocks of 32 tokens
@@ -49,7 +52,7 @@ issue 13 are checked per workload.
 
     .venv/bin/python bench/routing.py [--workloads capacity,replicas,restart,hot,chat,conversation,synthetic]
         [--routers kv-load,kv,approx-prefix,least-loaded,random,vllm-router:cache_aware,...]
-        [--qps 4,8,12] [--duration 60] [--goodput [--resolution 0.5]]
+        [--qps 4,8,12] [--duration 60] [--goodput [--resolution 0.5]] [--spread-ties]
         [--out var/bench/routing.json] [--plot docs/routing.png]
     .venv/bin/python bench/routing.py --report var/bench/routing-a.json var/bench/routing-b.json
 
@@ -71,7 +74,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,6 +156,17 @@ class Workload:
             return load_window(self.trace)[: self.requests]
         except TraceError as e:
             raise SystemExit(f"{self.name}: {e} (set KVCACHE_TRACES to the traces' directory)") from None
+
+    def ties_spread(self) -> Workload:
+        """This trace workload with the requests that share a timestamp spread over the gap to
+        the next one (``loadgen --spread-ties``), named ``<name>-spread``: its runs are not the
+        trace's own arrivals, and a report merging both keeps them apart."""
+        return replace(
+            self,
+            name=f"{self.name}-spread",
+            about=f"{self.about}, ties spread",
+            trace=replace(self.trace, spread_ties=True),
+        )
 
     def working_set_tokens(self) -> int:
         """Tokens of distinct prefix blocks (a trace's: distinct hash ids) one pass sends."""
@@ -327,6 +341,10 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(
             f"unknown workload {e} for --fleet {args.fleet}: one of {', '.join(known)}"
         ) from None
+    if args.spread_ties:
+        if not any(w.trace is not None for w in workloads):
+            raise SystemExit("--spread-ties spreads a trace's ties: choose a trace workload too")
+        workloads = [w.ties_spread() if w.trace is not None else w for w in workloads]
     ladder = parse_qps(args.qps)
     if args.fleet == "vllm":
         fleet = {
@@ -346,6 +364,7 @@ def run(args: argparse.Namespace) -> dict:
             "qps": ladder,
             "routers": routers,
             "max_tokens": args.max_tokens,
+            "spread_ties": args.spread_ties,
         },
         "workloads": {w.name: {**asdict(w), "working_set_tokens": w.working_set_tokens()} for w in workloads},
         "runs": [],
@@ -495,7 +514,7 @@ def goodput_lines(runs: list[dict]) -> list[str]:
 def _goodput_targets(runs: list[dict], workload: str, best: tuple[str, float], by: dict) -> str:
     peer, theirs = best
     ours = goodput(runs, workload, "kv-load")[0]
-    factor = 2 if workload in ("capacity", "conversation", "synthetic") else 1
+    factor = 2 if workload.removesuffix("-spread") in ("capacity", "conversation", "synthetic") else 1
     ratio = math.inf if theirs == 0 else ours / theirs
     line = (
         f"{workload}: goodput kv-load {ours:g} qps, best peer {peer} {theirs:g} qps = {ratio:.2f}x "
@@ -783,6 +802,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--resolution", type=float, default=0.5, help="--goodput: the search stops this close, QPS (0.5)"
+    )
+    parser.add_argument(
+        "--spread-ties",
+        action="store_true",
+        help="trace workloads: spread requests sharing a timestamp over the gap to the next "
+        "(loadgen --spread-ties); their runs are named <workload>-spread",
     )
     parser.add_argument("--pods", type=int, default=PODS, help=f"simulated pods (default {PODS})")
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (--fleet vllm 16)")

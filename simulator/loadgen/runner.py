@@ -243,7 +243,8 @@ async def run_step(
     Stops issuing after ``requests`` requests or ``duration`` seconds (whichever first; one pass
     of the workload, or the whole trace, when neither is given), then waits for the requests in
     flight. A trace is replayed at its own pace with ``qps`` None (the step's QPS is then the
-    trace's own mean rate), else with its gaps scaled to a mean of ``qps``."""
+    trace's own mean rate, its ties spread when its spec says so), else with its gaps scaled to
+    a mean of ``qps``."""
     if (router is None) == (config.target is None):
         raise ValueError("give a router, or a target in the config, not both or neither")
     trace = load_window(config.trace) if config.trace is not None else None
@@ -272,7 +273,7 @@ async def run_step(
         if trace is not None:
             notes.append(_trace_note(config.trace, trace, qps))
             jobs = run.trace_jobs(trace, qps)
-            qps = own_rate(trace) if qps is None else qps
+            qps = own_rate(trace, spread_ties=config.trace.spread_ties) if qps is None else qps
         else:
             jobs = run.workload_jobs(qps)
         await run.drive(jobs, requests=requests, duration=duration, progress=progress)
@@ -301,10 +302,13 @@ async def run_step(
 
 def _trace_note(spec: TraceSpec, trace: list[TraceRequest], qps: float | None) -> str:
     pace = "at its own pace" if qps is None else f"rescaled to {qps:g} qps"
+    if spec.spread_ties:
+        pace += ", ties spread over the gap to the next timestamp"
+    rate = own_rate(trace, spread_ties=spec.spread_ties)
     return (
-        f"trace {spec.path}: {len(trace)} requests from {spec.start:g} s, own rate "
-        f"{own_rate(trace):.2f} qps, replayed {pace}; {spec.block_tokens} tokens per block of "
-        f"{spec.block_size}, outputs x {spec.output_scale:g}"
+        f"trace {spec.path}: {len(trace)} requests from {spec.start:g} s, own rate {rate:.2f} qps, "
+        f"replayed {pace}; {spec.block_tokens} tokens per block of {spec.block_size}, "
+        f"outputs x {spec.output_scale:g}"
     )
 
 
@@ -385,9 +389,12 @@ class _Run:
             yield at, partial(self._next_turn, turns)
 
     def trace_jobs(self, trace: list[TraceRequest], qps: float | None) -> Iterator[tuple[float, Job]]:
-        """The trace's requests at its own times (``qps`` None) or rescaled to ``qps``."""
-        builder = PromptBuilder(self.config.trace, self.config.seed)
-        for seq, (request, at) in enumerate(zip(trace, arrivals(trace, qps), strict=True)):
+        """The trace's requests at its own times (``qps`` None) or rescaled to ``qps``, their ties
+        spread first when the trace's spec says so."""
+        spec = self.config.trace
+        builder = PromptBuilder(spec, self.config.seed)
+        times = arrivals(trace, qps, spread_ties=spec.spread_ties)
+        for seq, (request, at) in enumerate(zip(trace, times, strict=True)):
             yield at, partial(self._replay, seq, request, builder)
 
     def _next_turn(self, turns: Iterator[Turn]) -> Awaitable[None]:

@@ -22,15 +22,25 @@ lengths. Sizes are approximate, as the generator's are (a word or a full stop co
 Arrivals: at the trace's own pace (its timestamps), or rescaled to a mean rate, every gap
 multiplied by the same factor, so bursts stay bursts. A window starts ``start`` seconds into the
 trace (its own time); a run's request count or duration then says where it ends.
+
+Ties can be spread (``spread_ties``): a trace whose clock is coarse (Mooncake's conversation trace
+stamps every ~3 s, up to 23 requests with one timestamp) replays as bursts of requests sent at
+the same instant, an artefact of its resolution rather than of its traffic. Spread, the ``k``
+requests stamped ``t`` go at ``t, t + g/k, ..., t + (k-1)g/k``, ``g`` the gap to the next
+distinct timestamp; the last ones, which have none, over the median gap between distinct
+timestamps. No randomness: the same trace, the same times. A rescaled replay is rescaled after
+spreading, so its mean rate is still the one asked for.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
 import random
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +76,8 @@ class TraceSpec:
     """How to replay a trace file: ``block_size`` tokens per hash id in the file,
     ``tokens_per_block`` generated per id (default: as many as the file says), output lengths
     times ``output_scale`` (at least 1, at most ``max_output_tokens`` when given), the window
-    starting ``start`` seconds into the trace."""
+    starting ``start`` seconds into the trace; ``spread_ties`` spreads requests that share a
+    timestamp over the gap to the next one (see :func:`arrivals`), off by default."""
 
     path: str
     block_size: int = MOONCAKE_BLOCK_SIZE
@@ -74,6 +85,7 @@ class TraceSpec:
     output_scale: float = 1.0
     max_output_tokens: int | None = None
     start: float = 0.0
+    spread_ties: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or (self.tokens_per_block is not None and self.tokens_per_block < 1):
@@ -182,25 +194,44 @@ def window(requests: list[TraceRequest], start: float) -> list[TraceRequest]:
     return chosen
 
 
-def own_rate(requests: list[TraceRequest]) -> float:
-    """The trace's mean request rate (requests per second over its span; inf if it has none)."""
-    span = requests[-1].at - requests[0].at
+def own_rate(requests: list[TraceRequest], *, spread_ties: bool = False) -> float:
+    """The trace's mean request rate (requests per second over its span; inf if it has none);
+    with ``spread_ties``, over the span of its arrivals with their ties spread, which the last
+    timestamp's ties lengthen by up to one median gap."""
+    span = arrivals(requests, None, spread_ties=spread_ties)[-1]
     return math.inf if span <= 0 else (len(requests) - 1) / span
 
 
-def arrivals(requests: list[TraceRequest], qps: float | None) -> list[float]:
+def arrivals(requests: list[TraceRequest], qps: float | None, *, spread_ties: bool = False) -> list[float]:
     """When each request is sent, seconds from the first: the trace's own gaps (``qps`` None),
-    or every gap scaled by the same factor so that the mean rate is ``qps`` (inf: all at once)."""
+    or every gap scaled by the same factor so that the mean rate is ``qps`` (inf: all at once).
+    With ``spread_ties``, requests sharing a timestamp are first spread over the gap to the next
+    one (:func:`_spread_ties`); the rescaling then keeps the mean rate at ``qps`` all the same."""
     first = requests[0].at
     offsets = [r.at - first for r in requests]
+    if spread_ties:
+        offsets = _spread_ties(offsets)
     if qps is None:
         return offsets
     if math.isinf(qps):
         return [0.0] * len(offsets)
-    rate = own_rate(requests)
-    if math.isinf(rate):  # every request at the same instant: nothing to stretch
+    if offsets[-1] <= 0:  # every request at the same instant: nothing to stretch
         return offsets
+    rate = (len(offsets) - 1) / offsets[-1]  # over these offsets' span, as own_rate
     return [offset * rate / qps for offset in offsets]
+
+
+def _spread_ties(offsets: list[float]) -> list[float]:
+    """``offsets`` (ascending) with each run of ``k`` equal ones, ``t``, spread evenly over the
+    gap ``g`` to the next distinct one: ``t, t + g/k, ..., t + (k-1)g/k``. The last run has no
+    next one: its gap is the median gap between distinct offsets (the trace's usual tick, which
+    long idle gaps do not inflate as they would a mean). When all are equal there is no gap to
+    spread over: they stay together. Still ascending, and no request moves past the next
+    distinct offset, so the order of the requests is kept."""
+    groups = [(at, len(list(tied))) for at, tied in itertools.groupby(offsets)]
+    gaps = [later - at for (at, _), (later, _) in itertools.pairwise(groups)]
+    gaps.append(statistics.median(gaps) if gaps else 0.0)
+    return [at + gap * i / count for (at, count), gap in zip(groups, gaps, strict=True) for i in range(count)]
 
 
 class PromptBuilder:

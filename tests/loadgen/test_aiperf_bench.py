@@ -74,6 +74,18 @@ def test_the_window_is_loadgens_requests_at_loadgens_times(tmp_path):
     assert [x["timestamp"] for x in later] == [0.0, 2000.0, 6000.0]
 
 
+def test_the_window_has_its_ties_spread_as_loadgen_spreads_them_when_told(tmp_path):
+    path = write_trace(
+        tmp_path / "t.jsonl", [line(0, 512, [1]), line(0, 512, [2]), line(0, 512, [3]), line(900, 512, [4])]
+    )
+    plain = aiperf.parse_args(["--trace", str(path), "--qps", "trace"])
+    spread = aiperf.parse_args(["--trace", str(path), "--qps", "trace", "--spread-ties"])
+    assert not plain.spec.spread_ties and spread.spec.spread_ties
+    assert [x["timestamp"] for x in aiperf.replay_window(plain.spec, requests=4, qps=None)] == [0, 0, 0, 900]
+    times = [x["timestamp"] for x in aiperf.replay_window(spread.spec, requests=4, qps=None)]
+    assert times == [0.0, 300.0, 600.0, 900.0]
+
+
 def test_an_id_that_is_whole_in_one_request_and_partial_in_another_is_refused_before_aiperf():
     shared = [line(0, 32, [1, 2]), line(10, 40, [1, 2, 3]), line(20, 20, [1, 4])]
     aiperf.check_block_sizes(shared, 16)  # 2 is whole in both; 3 and 4 are partial once each

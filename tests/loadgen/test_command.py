@@ -196,6 +196,24 @@ def test_a_trace_is_replayed_at_its_own_pace_or_rescaled(fake_fleet, tmp_path):
     assert sum(len(pod.received) for pod in fake_fleet.pods.values()) == 3
 
 
+def test_a_trace_replayed_with_its_ties_spread_sends_them_one_after_another(fake_fleet, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    stamps = [0, 400, 400, 400, 400]  # the last 4 over the only gap, 0.4 s: at 0.4, 0.5, 0.6, 0.7 s
+    trace.write_text("".join(json.dumps({"timestamp": ms, "input_length": 100}) + "\n" for ms in stamps))
+    pods = [arg for name, url in fake_fleet.urls.items() for arg in ("--pod", f"{name}={url}")]
+    out = run_command(
+        *pods, "--score-url", fake_fleet.score_url, "--api-key", API_KEY, "--model", "m", "--no-progress",
+        "--router", "round-robin", "--trace", str(trace), "--spread-ties",
+        "--json-out", str(tmp_path / "out.json"),
+    )  # fmt: skip
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["params"]["trace"]["spread_ties"] is True
+    (run,) = document["runs"]
+    assert run["ok"] == 5 and run["qps"] == pytest.approx(4 / 0.7)  # its own pace, spread: 4 gaps, 0.7 s
+    assert run["duration_s"] >= 0.7  # sent at 0.4 s together, they would be done ~0.15 s later
+    assert "own rate 5.71 qps, replayed at its own pace, ties spread over the gap to the next" in out
+
+
 def test_a_bad_trace_is_refused_before_anything_is_sent(fake_fleet, tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 10}\n{"timestamp": 1}\n')

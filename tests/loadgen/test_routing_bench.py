@@ -126,6 +126,28 @@ def test_goodput_leads_the_report_with_the_targets_of_issue_23():
     assert made == [("kv", 4)]  # kv-load and random were run at 4 qps already
 
 
+def test_trace_workloads_with_their_ties_spread_are_runs_of_their_own():
+    conversation = routing.WORKLOADS["conversation"]
+    spread = conversation.ties_spread()
+    assert (spread.name, spread.trace.spread_ties, conversation.trace.spread_ties) == (
+        "conversation-spread",
+        True,
+        False,
+    )
+    assert spread.trace.path == conversation.trace.path and spread.requests == conversation.requests
+    # Kept apart from the trace's own arrivals in a report, with the same target as theirs.
+    runs = [run(w, r, 4, 0.2) for w in ("conversation", "conversation-spread") for r in ("kv-load", "smg:x")]
+    runs.append(run("conversation-spread", "kv-load", 8, 0.5))
+    assert len(routing.merged([{"runs": runs}])) == 5
+    assert any(
+        line.startswith("conversation-spread: goodput kv-load 8 qps") and "(target >= 2x: met)" in line
+        for line in routing.goodput_lines(runs)
+    )
+    assert routing.parse_args(["--spread-ties"]).spread_ties and not routing.parse_args([]).spread_ties
+    with pytest.raises(SystemExit, match="--spread-ties spreads a trace's ties: choose a trace workload"):
+        routing.run(routing.parse_args(["--workloads", "hot", "--routers", "kv-load", "--spread-ties"]))
+
+
 def test_report_of_saved_results_prints_the_table_and_draws_the_plot(tmp_path, capsys):
     saved = tmp_path / "a.json"
     saved.write_text(json.dumps({"runs": [run("hot", "kv-load", 4, 0.4), run("hot", "random", 4, 4.0)]}))

@@ -148,6 +148,58 @@ def test_pacing_keeps_the_traces_gaps_or_scales_them_all_alike(tmp_path):
     assert arrivals(requests, math.inf) == [0.0, 0.0, 0.0]
 
 
+def test_requests_sharing_a_timestamp_are_spread_to_the_next_one_only_when_asked(tmp_path):
+    # A coarse clock, as Mooncake's: 3 requests at 0 ms, 1 at 300, 2 at 900 (the last ones).
+    stamps = [0, 0, 0, 300, 900, 900]
+    path = write_trace(tmp_path / "t.jsonl", [mooncake(ms, [i]) for i, ms in enumerate(stamps)])
+    requests = load_trace(path)
+    assert arrivals(requests, None) == pytest.approx([0.0, 0.0, 0.0, 0.3, 0.9, 0.9])
+    # 3 over the 0.3 s to 300 ms; the last 2 over the median of the gaps 0.3 and 0.6 s (0.45 s).
+    spread = arrivals(requests, None, spread_ties=True)
+    assert spread == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.9, 1.125])
+    assert arrivals(requests, None, spread_ties=True) == spread  # no randomness
+    assert own_rate(requests) == pytest.approx(5 / 0.9)
+    assert own_rate(requests, spread_ties=True) == pytest.approx(5 / 1.125)  # the last ties lengthen it
+
+
+def test_spread_ties_then_rescaled_keep_the_mean_rate_asked_for(tmp_path):
+    stamps = [0, 0, 0, 0, 3000, 3000, 6000, 6000, 6000, 9000, 9000]  # spread, the last at 10.5 s
+    path = write_trace(tmp_path / "t.jsonl", [mooncake(ms, [i]) for i, ms in enumerate(stamps)])
+    requests = load_trace(path)
+    for qps in (0.5, 2.0, 7.0):
+        plain, spread = arrivals(requests, qps), arrivals(requests, qps, spread_ties=True)
+        assert (len(plain) - 1) / plain[-1] == pytest.approx(qps)
+        assert (len(spread) - 1) / spread[-1] == pytest.approx(qps)
+        assert len(set(spread)) == len(spread)  # no two at one instant any more
+        assert spread == sorted(spread)
+    # Spread first, then every gap scaled alike: the spread times at twice the rate, halved.
+    own = arrivals(requests, None, spread_ties=True)
+    rate = (len(own) - 1) / own[-1]
+    assert arrivals(requests, 2 * rate, spread_ties=True) == pytest.approx([t / 2 for t in own])
+    assert arrivals(requests, math.inf, spread_ties=True) == [0.0] * len(stamps)
+
+
+def test_a_single_tied_group_is_spread_over_the_traces_usual_gap(tmp_path):
+    # Distinct timestamps 1 s apart but for a burst of 4 at 1,000 ms: only those 4 move.
+    stamps = [0, 1000, 1000, 1000, 1000, 2000, 3000]
+    path = write_trace(tmp_path / "t.jsonl", [mooncake(ms, [i]) for i, ms in enumerate(stamps)])
+    assert arrivals(load_trace(path), None, spread_ties=True) == pytest.approx(
+        [0.0, 1.0, 1.25, 1.5, 1.75, 2.0, 3.0]
+    )
+    # A burst at the trace's last timestamp: over the median gap between distinct ones (1, 1, 4 s),
+    # the usual tick, not the mean (2 s) a long gap inflates.
+    stamps = [0, 1000, 2000, 6000, 6000]
+    path = write_trace(tmp_path / "t.jsonl", [mooncake(ms, [i]) for i, ms in enumerate(stamps)])
+    assert arrivals(load_trace(path), None, spread_ties=True) == pytest.approx([0.0, 1.0, 2.0, 6.0, 6.5])
+
+
+def test_requests_all_at_one_instant_have_no_gap_to_be_spread_over(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl", [mooncake(500, [i]) for i in range(3)])
+    requests = load_trace(path)
+    assert arrivals(requests, None, spread_ties=True) == [0.0, 0.0, 0.0]
+    assert arrivals(requests, 4.0, spread_ties=True) == [0.0, 0.0, 0.0]
+
+
 def test_a_window_starts_into_the_trace_and_its_file_is_read_again_when_it_changes(tmp_path):
     path = write_trace(tmp_path / "t.jsonl", [mooncake(0, [0]), mooncake(5000, [1]), mooncake(9000, [2])])
     spec = TraceSpec(path, start=4)

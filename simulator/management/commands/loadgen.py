@@ -255,6 +255,14 @@ class Command(BaseCommand):
             help="Start the replay this far into the trace (its own time; default 0). --requests or "
             "--duration end it (default: the rest of the trace).",
         )
+        trace.add_argument(
+            "--spread-ties",
+            action="store_true",
+            help="Spread the requests that share a timestamp evenly over the gap to the next "
+            "timestamp (the last ones over the trace's median gap), before any --qps rescaling: a "
+            "coarse clock (Mooncake's conversation trace stamps every ~3 s) otherwise sends them "
+            "all at one instant. Deterministic. Default: the trace's own timestamps.",
+        )
 
         output = parser.add_argument_group("output")
         output.add_argument("--json-out", metavar="FILE", help="Write the results as JSON here.")
@@ -362,6 +370,7 @@ class Command(BaseCommand):
                 output_scale=options["output_scale"],
                 max_output_tokens=options["max_tokens"],
                 start=options["trace_start"],
+                spread_ties=options["spread_ties"],
             )
             load_window(trace)  # a missing file or a bad line is an error now, not in the first run
         workload = WorkloadSpec(
