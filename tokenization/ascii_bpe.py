@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from itertools import accumulate
@@ -76,9 +77,15 @@ class Encoding:
     def word_ids(self) -> _WordIds:
         return _WordIds(self.ends, self._words)
 
-    def word_starts(self) -> list[int]:
-        """Where each word starts, in characters (an added token is a word of its own)."""
-        return self._words.starts()
+    @property
+    def starts(self) -> list[int]:
+        """Each token's first character."""
+        return [0, *self.ends[:-1]] if self.ends else []
+
+    def last_word_start(self, low: int, high: int) -> int:
+        """The last character in ``low..high`` where a word starts (an added token is a word of
+        its own), or -1 if none does."""
+        return self._words.last_start(low, high)
 
 
 class _Offsets(Sequence[tuple[int, int]]):
@@ -108,15 +115,69 @@ class _Offsets(Sequence[tuple[int, int]]):
         return zip([0, *self._ends], self._ends, strict=False)
 
 
-class _Words:
-    """Where each word of the text starts (an added token is a word of its own), found on first
-    use: a sorted list of character positions."""
+_WITNESS_CHARS = 64
+"""How far back :meth:`_Words.last_start` looks for a place where a word is sure to start before
+it splits the whole text."""
 
-    __slots__ = ("_added", "_split", "_starts", "_text")
+
+class _Words:
+    """Where the words of the text start (an added token is a word of its own), found when asked:
+    all of them (:meth:`starts`), or the last one in a range (:meth:`last_start`), which splits
+    only a few words before the range's end.
+
+    The few words are enough because the split never looks back: a split started where a word
+    starts finds the same words from there on as the whole text's split. Words surely start at
+    the text's start, at added tokens' edges, before and after every digit (a digit is a word
+    of its own in the pattern) and after a letter that a non-letter follows (no word of the
+    pattern goes on past its letters)."""
+
+    __slots__ = ("_added", "_added_starts", "_split", "_starts", "_text")
 
     def __init__(self, text: str, added: list[tuple[int, int]], split: re.Pattern[str]) -> None:
         self._text, self._added, self._split = text, added, split
+        self._added_starts = [start for start, _ in added]
         self._starts: list[int] | None = None
+
+    def last_start(self, low: int, high: int) -> int:
+        """The last word start in ``low..high``, or -1."""
+        low, high = max(low, 0), min(high, len(self._text) - 1)
+        if high < low:
+            return -1
+        # The added token at or before ``high``, if any: the text between it and the next one
+        # is split on its own.
+        a = bisect_right(self._added_starts, high) - 1
+        segment_start = 0
+        if a >= 0:
+            start, end = self._added[a]
+            if high < end:  # inside an added token: only its start is a word start
+                return start if start >= low else -1
+            segment_start = end
+        found = self._last_in_segment(segment_start, max(low, segment_start), high)
+        if found < 0 and a >= 0 and self._added[a][0] >= low:
+            return self._added[a][0]
+        return found
+
+    def _last_in_segment(self, segment_start: int, low: int, high: int) -> int:
+        text = self._text
+        witness = high
+        floor = max(segment_start, high - _WITNESS_CHARS)
+        while witness > floor and not _surely_starts(text, witness):
+            witness -= 1
+        if witness != segment_start and not _surely_starts(text, witness):
+            starts = self.starts()
+            found = starts[bisect_right(starts, high) - 1]
+            return found if found >= low else -1
+        segment_end = self._segment_end(high)
+        found = -1
+        for match in self._split.finditer(text, witness, segment_end):
+            if match.start() > high:
+                break
+            found = match.start()
+        return found if found >= low else -1
+
+    def _segment_end(self, position: int) -> int:
+        a = bisect_right(self._added_starts, position)
+        return self._added_starts[a] if a < len(self._added_starts) else len(self._text)
 
     def starts(self) -> list[int]:
         if self._starts is None:
@@ -131,6 +192,13 @@ class _Words:
                 position = end
             self._starts = starts
         return self._starts
+
+
+def _surely_starts(text: str, i: int) -> bool:
+    """Whether a word of the Qwen split surely starts at ``i`` (0 < i < len(text)), whatever
+    comes before: see :class:`_Words`."""
+    before, here = text[i - 1], text[i]
+    return here.isdigit() or before.isdigit() or (before.isalpha() and not here.isalpha())
 
 
 class _WordIds(Sequence[int]):
@@ -177,9 +245,12 @@ class AsciiBpeTokenizer:
         self._added_ids = added
         bpe = tiktoken.Encoding(name="ascii-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
         self._bpe = bpe.encode_ordinary
-        self._lengths = [0] * len(ranks)  # each token's length in bytes: in characters, for ASCII
+        # Each token's length in bytes (in characters, for ASCII): a compact table, read once per
+        # token of every prompt.
+        lengths = array("H", bytes(2 * len(ranks)))
         for token, rank in ranks.items():
-            self._lengths[rank] = len(token)
+            lengths[rank] = len(token)
+        self._lengths = lengths
 
     def encode(self, text: str) -> Encoding:
         """The encoding of ``text``, which must be ASCII (``ValueError`` otherwise)."""

@@ -35,7 +35,7 @@ import time
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -249,9 +249,10 @@ class PrefixStore:
         ``ends_at[k]`` is the number of characters that end within the first k+1 chunks.
         """
         ids = encoding.ids
-        offsets = encoding.offsets
         n_tokens = len(ids)
-        ends, word_starts = _ends_and_word_starts(encoding)
+        starts, ends, last_word_start = _token_bounds(encoding)
+        packed = array(_TOKEN, ids).tobytes()
+        width = array(_TOKEN).itemsize
         entries = []
         lo = 0
         for k in range(first_chunk, len(ends_at)):
@@ -261,24 +262,25 @@ class PrefixStore:
             if previous:
                 own_start = carried_start
             elif lo < n_tokens:
-                own_start = base + offsets[lo][0]
+                own_start = base + starts[lo]
             else:
                 own_start = _UNKNOWN
-            next_start = base + offsets[hi][0] if hi < n_tokens else _UNKNOWN
+            next_start = base + starts[hi] if hi < n_tokens else _UNKNOWN
             cut_tokens, cut_char = -1, 0
             top = min(hi, n_tokens - 1)
             if lo <= top:
                 # The cut: the last token of the chunk, or the one after it, that starts a word
                 # at or before the latest cut; a word starts where a token does.
                 latest = _latest_cut(prompt, chunk_end, seam_chars) - base
-                w = bisect_right(word_starts, min(latest, offsets[top][0])) - 1
-                if w >= 0 and word_starts[w] >= offsets[lo][0]:
-                    t = bisect_right(ends, word_starts[w])
-                    cut_tokens, cut_char = len(previous) + t - lo, base + word_starts[w]
+                word_start = last_word_start(starts[lo], min(latest, starts[top]))
+                if word_start >= 0:
+                    t = bisect_right(ends, word_start)
+                    cut_tokens, cut_char = len(previous) + t - lo, base + word_start
             if cut_tokens < 0 and previous and carried_cut is not None:
                 cut_tokens, cut_char = carried_cut
             header = _HEADER.pack(own_start, next_start, cut_tokens, cut_char)
-            entries.append(header + array(_TOKEN, previous + ids[lo:hi]).tobytes())
+            carried_bytes = array(_TOKEN, previous).tobytes() if previous else b""
+            entries.append(header + carried_bytes + packed[width * lo : width * hi])
             lo = hi
         return entries
 
@@ -349,17 +351,23 @@ def chunk_char_ends(prompt: str, data: bytes, chunk_bytes: int) -> list[int]:
     return ends
 
 
-def _ends_and_word_starts(encoding: Encoding) -> tuple[Sequence[int], list[int]]:
-    """Each token's end, and where each word starts (a token that starts a word starts it),
-    in characters: made with the ids by ``tokenization.ascii_bpe``, from the offsets and word
-    ids of ``tokenizers``' encoding."""
+def _token_bounds(encoding: Encoding) -> tuple[Sequence[int], Sequence[int], Callable[[int, int], int]]:
+    """Each token's first character and past-the-end character, and a function that gives the
+    last character in ``low..high`` where a word starts (-1: none): ``tokenization.ascii_bpe``'s
+    own, or made from the offsets and word ids of ``tokenizers``' encoding (a token that starts
+    a word starts it)."""
     if isinstance(encoding, ascii_bpe.Encoding):
-        return encoding.ends, encoding.word_starts()
+        return encoding.starts, encoding.ends, encoding.last_word_start
     offsets, words = encoding.offsets, encoding.word_ids
-    starts = [
+    word_starts = [
         offsets[t][0] for t, word in enumerate(words) if word is not None and (t == 0 or word != words[t - 1])
     ]
-    return [end for _, end in offsets], starts
+
+    def last_word_start(low: int, high: int) -> int:
+        w = bisect_right(word_starts, high) - 1
+        return word_starts[w] if w >= 0 and word_starts[w] >= low else -1
+
+    return [start for start, _ in offsets], [end for _, end in offsets], last_word_start
 
 
 def _latest_cut(prompt: str, chunk_end: int, seam_chars: int) -> int:

@@ -179,3 +179,44 @@ def test_merges_that_do_not_make_tokens_in_id_order_go_to_tokenizers() -> None:
     model["merges"][10], model["merges"][11] = model["merges"][11], model["merges"][10]
     del model["merges"][-1]  # a token no merge makes
     assert _mergeable_ranks(model) is None
+
+
+def _word_starts(expected) -> list[int]:
+    """Where ``tokenizers``' words start: the tokens whose word id differs from the one before."""
+    words = expected.word_ids
+    return [start for t, (start, _) in enumerate(expected.offsets) if t == 0 or words[t] != words[t - 1]]
+
+
+@settings(max_examples=800, deadline=None)
+@given(text=st.lists(st.sampled_from(PIECES), max_size=40).map("".join), data=st.data())
+def test_the_last_word_start_in_a_range_is_the_one_tokenizers_gives(
+    qwen: Tokenizer, words: AsciiBpeTokenizer, text: str, data: st.DataObject
+) -> None:
+    """The prefix store cuts chunks at the last word start before a point; it is found by
+    splitting a few words back from there, not the whole text."""
+    starts = _word_starts(qwen.encode_batch([text], add_special_tokens=False)[0])
+    low = data.draw(st.integers(-2, len(text) + 2))
+    high = data.draw(st.integers(low - 3, len(text) + 2))
+    in_range = [p for p in starts if low <= p <= high]
+    assert words.encode(text).last_word_start(low, high) == (in_range[-1] if in_range else -1)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x" * 300,  # one word longer than the look back: the whole text is split
+        "a" + " " * 200 + "b",
+        "!" * 300 + "a b",
+        "9" * 100 + "!?" * 100,
+        "<|im_start|>" + " \n" * 90 + "<|im_end|>" + "word " * 60,
+    ],
+)
+def test_every_last_word_start_of_long_words_and_runs(
+    qwen: Tokenizer, words: AsciiBpeTokenizer, text: str
+) -> None:
+    starts = _word_starts(qwen.encode_batch([text], add_special_tokens=False)[0])
+    encoding = words.encode(text)
+    for high in range(len(text) + 1):
+        for low in (0, high - 70, high - 3, high):
+            in_range = [p for p in starts if low <= p <= high]
+            assert encoding.last_word_start(low, high) == (in_range[-1] if in_range else -1), (low, high)
