@@ -106,13 +106,17 @@ class _Offsets(Sequence[tuple[int, int]]):
     def __getitem__(self, t: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
         if isinstance(t, slice):
             return [self[i] for i in range(*t.indices(len(self)))]
-        ends = self._ends
-        end = ends[t]  # IndexError for a token that is not there
-        t %= len(ends)
-        return (ends[t - 1] if t else 0), end
+        return _token_start(self._ends, t), self._ends[t]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return zip([0, *self._ends], self._ends, strict=False)
+
+
+def _token_start(ends: list[int], t: int) -> int:
+    """Token ``t``'s first character (``t`` may count from the end): the end of the one before."""
+    ends[t]  # IndexError for a token that is not there
+    t %= len(ends)
+    return ends[t - 1] if t else 0
 
 
 _WITNESS_CHARS = 64
@@ -147,17 +151,18 @@ class _Words:
         # is split on its own.
         a = bisect_right(self._added_starts, high) - 1
         segment_start = 0
+        segment_end = self._added_starts[a + 1] if a + 1 < len(self._added) else len(self._text)
         if a >= 0:
             start, end = self._added[a]
             if high < end:  # inside an added token: only its start is a word start
                 return start if start >= low else -1
             segment_start = end
-        found = self._last_in_segment(segment_start, max(low, segment_start), high)
+        found = self._last_in_segment(segment_start, segment_end, max(low, segment_start), high)
         if found < 0 and a >= 0 and self._added[a][0] >= low:
             return self._added[a][0]
         return found
 
-    def _last_in_segment(self, segment_start: int, low: int, high: int) -> int:
+    def _last_in_segment(self, segment_start: int, segment_end: int, low: int, high: int) -> int:
         text = self._text
         witness = high
         floor = max(segment_start, high - _WITNESS_CHARS)
@@ -167,17 +172,12 @@ class _Words:
             starts = self.starts()
             found = starts[bisect_right(starts, high) - 1]
             return found if found >= low else -1
-        segment_end = self._segment_end(high)
         found = -1
         for match in self._split.finditer(text, witness, segment_end):
             if match.start() > high:
                 break
             found = match.start()
         return found if found >= low else -1
-
-    def _segment_end(self, position: int) -> int:
-        a = bisect_right(self._added_starts, position)
-        return self._added_starts[a] if a < len(self._added_starts) else len(self._text)
 
     def starts(self) -> list[int]:
         if self._starts is None:
@@ -219,10 +219,7 @@ class _WordIds(Sequence[int]):
     def __getitem__(self, t: int | slice) -> int | list[int]:
         if isinstance(t, slice):
             return [self[i] for i in range(*t.indices(len(self)))]
-        ends = self._ends
-        ends[t]  # IndexError for a token that is not there
-        t %= len(ends)
-        return bisect_right(self._words.starts(), ends[t - 1] if t else 0) - 1
+        return bisect_right(self._words.starts(), _token_start(self._ends, t)) - 1
 
     def __iter__(self) -> Iterator[int]:
         if not self._ends:

@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from tests.tokenization import qwen_tokenizer_dir, train_tiny_tokenizer
-from tokenization.ascii_bpe import AsciiBpeTokenizer, _mergeable_ranks, ascii_bpe_tokenizer
+from tokenization.ascii_bpe import (
+    AsciiBpeTokenizer,
+    _byte_level_decoder,
+    _mergeable_ranks,
+    ascii_bpe_tokenizer,
+)
 from tokenization.prefix_store import PrefixStore
 from tokenization.tokenizers import TokenizerRegistry
 
@@ -101,24 +106,13 @@ def test_every_token_of_the_vocabulary_is_itself_when_tokenized_alone(qwen: Toke
     )
     model_only = Tokenizer.from_str(json.dumps(config))
     vocab = config["model"]["vocab"]
-    decode = {c: b for b, c in enumerate(map(chr, _byte_level_chars()))}
+    decode = _byte_level_decoder()
     texts = [bytes(decode[c] for c in token).decode("latin-1") for token in vocab]
     ascii_tokens = {t: i for t, i in zip(texts, vocab.values(), strict=True) if t.isascii()}
     got = model_only.encode_batch(list(ascii_tokens), add_special_tokens=False)
     wrong = [t for (t, i), encoding in zip(ascii_tokens.items(), got, strict=True) if encoding.ids != [i]]
     assert len(ascii_tokens) > 20_000
     assert wrong == []
-
-
-def _byte_level_chars() -> list[int]:
-    """The character that stands for each byte in the byte-level alphabet, byte by byte."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\xa1"), ord("\xac") + 1),
-        *range(ord("\xae"), ord("\xff") + 1),
-    ]
-    others = iter(range(256, 512))
-    return [b if b in printable else next(others) for b in range(256)]
 
 
 def test_non_ascii_text_is_refused_and_the_registry_sends_it_to_tokenizers() -> None:
