@@ -35,7 +35,8 @@ Workloads (:data:`WORKLOADS`):
 
 ``--fleet vllm``: the same routers in front of 2 real vLLM engines instead (``bench/vllm_system.py``:
 vLLM 0.32 on the CPU, the random-weight Qwen3 of ``make vllm-engines``, 256 blocks of 32 tokens
-each, ``POST /reset_prefix_cache`` between runs), on workloads scaled to them
+each, ``POST /reset_prefix_cache`` between runs; the engines bind their KV-event sockets, as on the
+simulated fleet, so that Dynamo subscribes too), on workloads scaled to them
 (:data:`VLLM_WORKLOADS`). Each engine has one core: TTFT there says more about 2 cores than
 about routing, so the engines' own prefix-cache hit rate is the figure to read first.
 
@@ -249,10 +250,21 @@ group per engine, each shared by 16 users."""
 class Routers:
     """Starts a router's replicas in front of the stack's pods and stops them again."""
 
-    def __init__(self, stack: Stack, log_dir: Path, *, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(
+        self,
+        stack: Stack | VllmSystem,
+        log_dir: Path,
+        *,
+        model: str = MODEL,
+        block_size: int = BLOCK_SIZE,
+        kv_blocks: int = KV_BLOCKS,
+    ) -> None:
+        """``model``, ``block_size`` and ``kv_blocks``: the pods' (what Dynamo is told of them)."""
         self.stack = stack
         self.log_dir = log_dir
+        self.model = model
         self.block_size = block_size
+        self.kv_blocks = kv_blocks
         self.peers: list[RunningPeer | RunningDynamo] = []
 
     @contextlib.contextmanager
@@ -273,9 +285,9 @@ class Routers:
             pods = fleet_pods(list(self.stack.pod_urls.values()), self.stack.events_endpoint)
             dynamo = start_dynamo(
                 pods,
-                model=MODEL,
+                model=self.model,
                 block_size=self.block_size,
-                kv_blocks=KV_BLOCKS,
+                kv_blocks=self.kv_blocks,
                 log_dir=self.log_dir / "dynamo",
             )
             self.peers.append(dynamo)
@@ -326,9 +338,8 @@ def run(args: argparse.Namespace) -> dict:
         known = router == DYNAMO or (name in PEERS and policy in PEERS[name].policies)
         if router not in GATEWAY_POLICIES and not known:
             raise SystemExit(f"unknown router {router!r}: a gateway policy, <peer>:<policy> or {DYNAMO}")
-    if DYNAMO in routers and (args.fleet == "vllm" or not dynamo_installed()):
-        why = "not run on the real engines" if args.fleet == "vllm" else "not installed (make bench-dynamo)"
-        print(f"Dynamo's router is {why}: running without it", file=sys.stderr)
+    if DYNAMO in routers and not dynamo_installed():
+        print("Dynamo's router is not installed (make bench-dynamo): running without it", file=sys.stderr)
         routers.remove(DYNAMO)
     peers = [r for r in routers if r not in GATEWAY_POLICIES and r != DYNAMO]
     if peers and not peers_installed():
@@ -376,13 +387,19 @@ def run(args: argparse.Namespace) -> dict:
             serving=False,
             dev_mode=True,
             pod_down_seconds=0,
+            bind_events=True,
             KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT="0",
         )
     else:
         stack = Stack(pods=args.pods, simulate_args=FLEET, bind_events=True)
     log_dir = stack.tmp / "logs"
     log_dir.mkdir(exist_ok=True)
-    launcher = Routers(stack, log_dir, block_size=args.block_size)
+    if args.fleet == "vllm":
+        launcher = Routers(
+            stack, log_dir, model=VLLM_MODEL, block_size=VLLM_BLOCK_SIZE, kv_blocks=fleet["kv_blocks"]
+        )
+    else:
+        launcher = Routers(stack, log_dir, block_size=args.block_size)
 
     def probe(workload: Workload, router: str, qps: float) -> dict:
         """One run, recorded (the results file is rewritten after every run) and printed."""

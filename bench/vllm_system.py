@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from bench.faults import Valkey, free_port, project_env, wait_for  # noqa: E402
+from bench.faults import Valkey, free_port, free_port_range, project_env, wait_for  # noqa: E402
 from engines.fleet import BLOCK_SIZE, Engine, EngineSpec, start_engines  # noqa: E402
 from kvindex import open_index  # noqa: E402
 from kvindex.shared_stats import read_snapshots  # noqa: E402
@@ -74,10 +74,15 @@ class VllmSystem:
         pod_down_seconds: float = 3.0,
         serving: bool = True,
         dev_mode: bool = False,
+        bind_events: bool = False,
         **settings: str,
     ) -> None:
         """``serving``: the web server and a gateway too (without: ``start_gateway`` starts
-        gateways); ``dev_mode``: the engines answer ``POST /reset_prefix_cache``."""
+        gateways); ``dev_mode``: the engines answer ``POST /reset_prefix_cache``;
+        ``bind_events``: each engine binds its KV-event PUB socket (vLLM's default;
+        ``events_endpoint``, engine ``i`` on its port + i) and ingest connects to each, so that
+        other subscribers (Dynamo's router) can connect too; otherwise the engines connect to
+        ingest's one bound socket."""
         if not VLLM.exists() or not (MODEL_DIR / "config.json").exists():
             raise RuntimeError(
                 "no vLLM engine here: `make vllm-engines` installs var/vllm and var/vllm-model"
@@ -95,6 +100,17 @@ class VllmSystem:
         )
         self.index = open_index(self.valkey.url, socket_timeout=5)
         self.ingest_port, self.web_port, self.gateway_port = free_port(), free_port(), free_port()
+        if bind_events:
+            events_port = free_port_range(engines)
+            self.events_endpoint = f"tcp://*:{events_port}"
+            endpoints = [f"tcp://*:{events_port + i}" for i in range(engines)]
+            self._ingest_sockets = [
+                arg for i in range(engines) for arg in ("--connect", f"tcp://127.0.0.1:{events_port + i}")
+            ]
+        else:
+            self.events_endpoint = f"tcp://127.0.0.1:{self.ingest_port}"
+            endpoints = [self.events_endpoint] * engines
+            self._ingest_sockets = ["--bind", self.events_endpoint]
         cores = sorted(os.sched_getaffinity(0))
         self.specs = {
             f"vllm-{i}": EngineSpec(
@@ -103,7 +119,7 @@ class VllmSystem:
                 model_dir=MODEL_DIR,
                 port=free_port(),
                 replay_port=free_port(),
-                events_endpoint=f"tcp://127.0.0.1:{self.ingest_port}",
+                events_endpoint=endpoints[i],
                 kv_cache_bytes=kv_cache_mib * 1024 * 1024,
                 core=cores[i % len(cores)],
                 hash_seed=SEED,
@@ -164,8 +180,7 @@ class VllmSystem:
         command = {
             "ingest": [
                 "ingest",
-                "--bind",
-                f"tcp://127.0.0.1:{self.ingest_port}",
+                *self._ingest_sockets,
                 "--housekeeping-interval",
                 "0.5",
             ],
