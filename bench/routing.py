@@ -230,10 +230,10 @@ VLLM_WORKLOADS = {
         Workload("vllm-hot", "2 groups x 1,500 tokens x 16 users", WorkloadSpec(2, 1500, 16)),
         trace_workload(
             "vllm-conversation",
-            "Mooncake conversation trace, first 200 requests, 8 tokens per block",
+            "Mooncake conversation trace, first 600 requests, 16 tokens per block",
             "mooncake-conversation-part1.jsonl",
-            requests=200,
-            tokens_per_block=8,
+            requests=600,
+            tokens_per_block=16,
             output_scale=0.05,
             max_output_tokens=16,
         ),
@@ -241,7 +241,10 @@ VLLM_WORKLOADS = {
 }
 """Scaled to 2 real engines of 8,192 tokens of KV cache each: ``vllm-capacity``'s working set is
 ~2.2x the fleet's cache (as ``capacity``'s is of the simulated fleet's); ``vllm-hot`` has one
-group per engine, each shared by 16 users."""
+group per engine, each shared by 16 users; ``vllm-conversation``'s prompts average ~440 tokens, the
+longest 3,792 (237 blocks), under the engines' 4,096, and its working set is ~13x the fleet's
+cache. Two of its 16-token blocks make one of the engines' 32-token blocks, so a shared prefix
+hits in whole pairs."""
 
 
 # -- routers -------------------------------------------------------------------------------
