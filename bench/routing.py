@@ -397,12 +397,9 @@ def run(args: argparse.Namespace) -> dict:
         stack = Stack(pods=args.pods, simulate_args=FLEET, bind_events=True)
     log_dir = stack.tmp / "logs"
     log_dir.mkdir(exist_ok=True)
-    if args.fleet == "vllm":
-        launcher = Routers(
-            stack, log_dir, model=VLLM_MODEL, block_size=VLLM_BLOCK_SIZE, kv_blocks=fleet["kv_blocks"]
-        )
-    else:
-        launcher = Routers(stack, log_dir, block_size=args.block_size)
+    launcher = Routers(
+        stack, log_dir, model=args.model or MODEL, block_size=args.block_size, kv_blocks=fleet["kv_blocks"]
+    )
 
     def probe(workload: Workload, router: str, qps: float) -> dict:
         """One run, recorded (the results file is rewritten after every run) and printed."""

@@ -99,7 +99,7 @@ class VllmSystem:
             **settings,
         )
         self.index = open_index(self.valkey.url, socket_timeout=5)
-        self.ingest_port, self.web_port, self.gateway_port = free_port(), free_port(), free_port()
+        self.web_port, self.gateway_port = free_port(), free_port()
         if bind_events:
             events_port = free_port_range(engines)
             self.events_endpoint = f"tcp://*:{events_port}"
@@ -108,7 +108,7 @@ class VllmSystem:
                 arg for i in range(engines) for arg in ("--connect", f"tcp://127.0.0.1:{events_port + i}")
             ]
         else:
-            self.events_endpoint = f"tcp://127.0.0.1:{self.ingest_port}"
+            self.events_endpoint = f"tcp://127.0.0.1:{free_port()}"
             endpoints = [self.events_endpoint] * engines
             self._ingest_sockets = ["--bind", self.events_endpoint]
         cores = sorted(os.sched_getaffinity(0))
