@@ -9,13 +9,12 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
     multiprocess,
 )
 
-from registry.pod_metrics import READ_FAILURES
+from routing.metrics import RoutingMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -23,13 +22,11 @@ OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1
 REGISTRY = CollectorRegistry()
 """The gateway's own (the default registry of a Django process holds the web's collectors)."""
 
-POLICY = Gauge(
-    "kvcache_gateway_policy",
-    "1 for the routing policy this gateway runs (set at start, so it is known before any request).",
-    ["policy"],
-    registry=REGISTRY,
-    multiprocess_mode="max",
-)
+ROUTING = RoutingMetrics.create("kvcache_gateway", REGISTRY)
+"""The routing core's counts (``routing.metrics``): policy, hits, matched and request blocks, score
+and scrape failures, as ``kvcache_gateway_*``."""
+POLICY, HITS, MATCHED, BLOCKS = ROUTING.policy, ROUTING.hits, ROUTING.matched, ROUTING.blocks
+SCORE_FAILURES, SCRAPES, SCRAPE_FAILURES = ROUTING.score_failures, ROUTING.scrapes, ROUTING.scrape_failures
 REQUESTS = Counter(
     "kvcache_gateway_requests",
     "Requests routed, by policy, pod and outcome (ok, upstream_error, no_pod, client_gone).",
@@ -43,41 +40,6 @@ RETRIES = Counter(
     ["policy", "reason"],
     registry=REGISTRY,
 )
-HITS = Counter(
-    "kvcache_gateway_prefix_hits",
-    "Requests routed to a pod known to hold at least their first block.",
-    ["policy"],
-    registry=REGISTRY,
-)
-MATCHED = Counter(
-    "kvcache_gateway_matched_blocks",
-    "Blocks of routed requests the chosen pod was known to hold (index or speculative).",
-    ["policy"],
-    registry=REGISTRY,
-)
-BLOCKS = Counter(
-    "kvcache_gateway_request_blocks", "Full blocks of routed requests.", ["policy"], registry=REGISTRY
-)
-SCORE_FAILURES = Counter(
-    "kvcache_gateway_score_failures",
-    "Requests routed without prefix knowledge: tokenizing or the index failed, by reason.",
-    ["reason"],
-    registry=REGISTRY,
-)
-SCRAPES = Counter(
-    "kvcache_gateway_scrapes",
-    "Scrapes of pods' /metrics for their load (each pod once a second).",
-    registry=REGISTRY,
-)
-SCRAPE_FAILURES = Counter(
-    "kvcache_gateway_scrape_failures",
-    "Scrapes of pods' /metrics that gave no load, by reason (connect, timeout, status, too_large, "
-    "malformed, error): the pod's load is then the gateway's own requests alone.",
-    ["reason"],
-    registry=REGISTRY,
-)
-for _reason in READ_FAILURES:
-    SCRAPE_FAILURES.labels(_reason)  # every reason shows, at 0 until it happens
 TTFT = Histogram(
     "kvcache_gateway_upstream_ttft_seconds",
     "From sending a request to the pod until its first response byte.",

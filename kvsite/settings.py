@@ -29,7 +29,7 @@
 | KVCACHE_INGEST_CURVE_SERVER_KEY_FILE | "" | the engines' public key (``--connect``, replicas, replays) |
 | KVCACHE_REPLAY_TIMEOUT_SECONDS | 2.0 | how long ingest waits for an engine's replay of missed batches |
 | KVCACHE_REPLAY_PORT_OFFSET | "" (none) | replay endpoint = tcp://host:(port + offset) of the pod's address |
-| KVCACHE_GATEWAY_POLICY | kv-load | the gateway's routing policy (gateway/policies.py) |
+| KVCACHE_GATEWAY_POLICY | kv-load | the gateway's routing policy (routing/policies.py) |
 | KVCACHE_GATEWAY_ALPHA | 0.25 | kv-load: the weight of one waiting request against a whole prefix hit |
 | KVCACHE_SPECULATIVE_SECONDS | 2.0 | a routed request's blocks count as held by its pod this long |
 | KVCACHE_GATEWAY_RETRIES | 2 | next pods tried after a connect error or a 5xx before the first byte |

@@ -1,6 +1,6 @@
 """A pod's ``/metrics``, read as untrusted input: its running and waiting requests, or a reason why not.
 
-The gateway's load scraper (``gateway.load``) and the liveness prober (``registry.liveness``) read
+The gateway's load scraper (``routing.load``) and the liveness prober (``registry.liveness``) read
 ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` from every pod. One pod's answer must
 never cost the others anything, so a body is fed to :class:`RequestsReader` chunk by chunk as it
 arrives, and what one pod can make a reader do is bounded:

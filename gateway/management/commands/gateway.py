@@ -10,7 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from gateway.policies import POLICIES
+from routing.policies import POLICIES
 from stack.asgi_server import ConnectionLimits, add_server_arguments, run_server
 
 APPLICATION = "gateway.asgi:application"

@@ -1,4 +1,4 @@
-"""The gateway's client for the pods (``gateway.upstream``) against raw-socket pods: connections kept
+"""The client for the pods (``routing.upstream``) against raw-socket pods: connections kept
 alive and reused, one the pod closed while idle retried on a new one, interim answers skipped, a
 body that ends at the close. (What it bounds and refuses: tests/security/test_gateway_upstream.py.)"""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from gateway.upstream import Upstream
+from routing.upstream import Upstream
 from tests.security.gateway_harness import RawPod, Received, answer_ok
 
 

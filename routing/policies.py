@@ -1,8 +1,9 @@
-"""Routing policies: the order in which the gateway tries the pods for one request.
+"""Routing policies: the order in which the router (the gateway, or the EPP for Envoy) tries the
+pods for one request.
 
 Each candidate pod comes with ``matched`` (leading blocks of the request it holds, as the
 policy's source of prefix knowledge says), ``load`` (requests in flight on it) and ``queued``
-(the part of its load beyond its batch size: requests that wait, see ``gateway.load``). A policy
+(the part of its load beyond its batch size: requests that wait, see ``routing.load``). A policy
 ranks every candidate, best first; the gateway sends the request to the first and, on a connect
 error or a 5xx before the first byte, to the next.
 
@@ -18,7 +19,7 @@ error or a 5xx before the first byte, to the next.
   queued before it times how long a request holds a slot, over the pod's slots), plus the prefill
   ahead of it on the pod and its own uncached blocks times the time a block of prefill takes,
   plus what each request running in the batch adds, all learned from the gateway's own requests
-  (``gateway.load.ServiceTimes``). A hit is worth
+  (``routing.load.ServiceTimes``). A hit is worth
   the prefill it saves, in seconds, not a share of the prompt: a short prompt's hit is not worth
   queueing for, a long one's may be (as Dynamo's router weighs prefill and decode blocks).
 * ``kv``: the most blocks matched; load breaks ties.

@@ -1,4 +1,4 @@
-"""What the gateway remembers of its own decisions, by block key: which pod it sent a prefix to.
+"""What the router remembers of its own decisions, by block key: which pod it sent a prefix to.
 
 Two uses, one structure (``KeyMemory``):
 

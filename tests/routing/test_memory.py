@@ -1,4 +1,4 @@
-"""The gateway's key memory (``gateway.memory.KeyMemory``): per pod, the leading keys it is
+"""The router's key memory (``routing.memory.KeyMemory``): per pod, the leading keys it is
 remembered to hold, live entries only; checked against the definition on random histories."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.memory import KeyMemory
+from routing.memory import KeyMemory
 
 PODS = ["a", "b", "c"]
 

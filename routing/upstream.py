@@ -1,4 +1,5 @@
-"""The gateway's HTTP/1.1 client for the hop to the pods (and its scrapes of their ``/metrics``).
+"""The HTTP/1.1 client for the pods: the gateway's hop to them, and the routers' scrapes of their
+``/metrics``.
 
 Not aiohttp, the client until issue 27: aiohttp takes header values as text and writes them as
 UTF-8, so a value that is not UTF-8 (``café\\xff``) reached the pod re-encoded. Here a request goes

@@ -1,4 +1,6 @@
-"""How busy each pod is: the gateway's own requests in flight, plus what the pod reports.
+"""How busy each pod is: the requests this router sent there in flight, plus what the pod reports.
+
+"The gateway" below is whichever front runs the routing core: the gateway or the EPP.
 
 The gateway knows its requests at once; a pod's ``/metrics`` (``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting``) also counts other clients' (another gateway replica, clients that
@@ -19,7 +21,8 @@ a batch slot, and what a block of prefill costs in time to first token.
 Scrapes are untrusted input, one pod at a time: each is bounded in time (``SCRAPE_TIMEOUT_SECONDS``
 for the whole answer) and size (``registry.pod_metrics``), and whatever one pod answers (nothing,
 a malformed count, an endless body) costs only that pod its reported load, never another pod's
-scrape nor the scraper: failures are counted by reason (``kvcache_gateway_scrape_failures_total``)
+scrape nor the scraper: failures are counted by reason (``kvcache_gateway_scrape_failures_total``, the EPP's
+``kvcache_epp_scrape_failures_total``)
 and logged when a pod's reason changes.
 """
 
@@ -32,8 +35,8 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from gateway import metrics
 from registry.pod_metrics import PodMetricsError, requests_by_state
+from routing.metrics import RoutingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +144,8 @@ class Dispatch:
 
 
 class LoadTracker:
-    def __init__(self) -> None:
+    def __init__(self, metrics: RoutingMetrics | None = None) -> None:
+        self.metrics = metrics or RoutingMetrics.unregistered()
         self.in_flight: dict[str, int] = defaultdict(int)
         self.prefilling: dict[str, float] = defaultdict(float)
         """Per pod, the blocks of prefill of the gateway's requests there not yet answered."""
@@ -236,7 +240,7 @@ class LoadTracker:
     async def _scrape(self, fetch: Callable[[str], Awaitable[bytes]], pod: str, address: str) -> None:
         """One pod's scrape, observed, or its failure counted (never raises but when cancelled):
         its load is then ours alone, until the last good scrape goes stale."""
-        metrics.SCRAPES.inc()
+        self.metrics.scrapes.inc()
         try:
             async with asyncio.timeout(SCRAPE_TIMEOUT_SECONDS):
                 body = await fetch(address)
@@ -253,7 +257,7 @@ class LoadTracker:
                 log.info("pod %s: its /metrics gives request counts again", pod)
 
     def _failed(self, pod: str, error: PodMetricsError) -> None:
-        metrics.SCRAPE_FAILURES.labels(error.reason).inc()
+        self.metrics.scrape_failures.labels(error.reason).inc()
         if self.problems.get(pod) != error.reason:  # one line when a pod goes wrong, not one a second
             log.warning("pod %s: no load from its /metrics (%s: %s)", pod, error.reason, error)
             self.problems[pod] = error.reason

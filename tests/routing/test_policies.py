@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from gateway.load import DEFAULT_BLOCK_SECONDS, DEFAULT_REQUEST_SECONDS, LoadTracker, ServiceTimes
-from gateway.policies import RUNNING_WEIGHT, Candidate, affinity_of, home_score, make_policy
 from registry.pod_metrics import requests_by_state, requests_in
+from routing.load import DEFAULT_BLOCK_SECONDS, DEFAULT_REQUEST_SECONDS, LoadTracker, ServiceTimes
+from routing.policies import RUNNING_WEIGHT, Candidate, affinity_of, home_score, make_policy
 
 METRICS = b"""# HELP vllm:num_requests_running Running.
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
