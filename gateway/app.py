@@ -45,7 +45,7 @@ import orjson
 from gateway import metrics
 from routing.load import Dispatch
 from routing.policies import DEFAULT_ALPHA, Candidate
-from routing.router import Decision, RouteError, Router, RouterHandles, RouterSettings
+from routing.router import ROUTED_PATHS, Decision, RouteError, Router, RouterHandles, RouterSettings
 from routing.upstream import Upstream, UpstreamError, UpstreamResponse
 from stack.trust import TrustedProxies, bearer_problem
 
@@ -74,7 +74,6 @@ NOT_FOR_PODS = HOP_BY_HOP | {b"expect", b"x-forwarded-for"}
 FORWARDING = frozenset({b"forwarded", b"x-real-ip"})
 """With ``X-Forwarded-*``: what a client says of where it comes from, passed on from trusted proxies only."""
 CHALLENGE = [(b"www-authenticate", b'Bearer realm="kvcache-gateway"')]
-ROUTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 @dataclass(frozen=True, slots=True)

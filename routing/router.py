@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import random
+import socket
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +58,8 @@ from tokenization.tokenizers import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 
+ROUTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+"""The OpenAI paths the router keys (``kind`` of :meth:`Router.decide`)."""
 INLINE_MAX_BODY_BYTES = 16 * 1024
 """A request body up to this size (a prompt of ~4,000 tokens, ~5 ms to key at most) is keyed on the
 event loop (``Router._keys_on_loop``); a larger one in the pool, so it holds up no other
@@ -149,7 +153,7 @@ class Router:
         return self._scraper is not None
 
     async def startup(self) -> None:
-        self._scraper = asyncio.create_task(self.load.scrape_forever(self._pod_metrics, self._addresses))
+        self._scraper = asyncio.create_task(self.load.scrape_forever(self._pod_metrics, self.addresses))
 
     async def shutdown(self) -> None:
         if self._scraper is not None:
@@ -162,9 +166,9 @@ class Router:
 
     async def decide(self, kind: str, body: bytes, *, subset: Collection[str] | None = None) -> Decision:
         """The ranking for a request of ``kind`` (``completions`` or ``chat``) with ``body``;
-        ``subset``: the pods' addresses it may go to (``None``: any). :class:`RouteError` when it
-        cannot go anywhere: 400 (not a JSON object with a string ``model``), 404 (no pod serves
-        its model), 503 (none of them is live, or in the subset)."""
+        ``subset``: the endpoints (``ip:port``, :func:`endpoint_of`) it may go to (``None``: any).
+        :class:`RouteError` when it cannot go anywhere: 400 (not a JSON object with a string
+        ``model``), 404 (no pod serves its model), 503 (none of them is live, or in the subset)."""
         try:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError as error:
@@ -183,7 +187,7 @@ class Router:
             )
         if subset is not None:
             allowed = set(subset)
-            pods = {pod: address for pod, address in pods.items() if address in allowed}
+            pods = {pod: address for pod, address in pods.items() if endpoint_of(address) in allowed}
             if not pods:
                 raise RouteError(
                     503, f"no live pod serving {payload['model']!r} is in the subset", "unavailable"
@@ -427,7 +431,12 @@ class Router:
             raise PodMetricsError("status", f"HTTP {status}")
         return body
 
-    def _addresses(self) -> dict[str, str]:
+    async def live(self) -> dict[str, str]:
+        """Every live pod's address, from a current registry snapshot."""
+        self._config = await self.handles.config.aget()
+        return self.addresses()
+
+    def addresses(self) -> dict[str, str]:
         """Every live pod's address (the load scraper's targets)."""
         config = self._config
         if config is None:
@@ -435,6 +444,23 @@ class Router:
         return {
             pod: address for m in set(config.pods.values()) for pod, address in live_pods(config, m).items()
         }
+
+
+@functools.lru_cache(maxsize=4096)
+def endpoint_of(address: str) -> str:
+    """A pod's registry address (``host:port``) as a proxy names endpoints: ``ip:port`` (an IPv6
+    address in brackets). A host name is resolved once (the first address it has); one that does
+    not resolve stays as it is."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, IndexError, ValueError):
+            return address
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def base_model(config: ServiceConfig, name: str) -> tuple[str, str | None]:

@@ -113,8 +113,10 @@ def test_the_demo_load_of_make_run_resets_its_fleet_and_scores_on_the_web_port(m
     procfile = Path(__file__).resolve().parents[2] / "Procfile"
     line = next(line for line in procfile.read_text().splitlines() if line.startswith("loadgen:"))
     monkeypatch.setenv("WEB_PORT", "8123")  # what the Makefile exports, among the others
-    for name in ("SIM_BASE_PORT", "SIM_PODS", "GATEWAY_PORT", "LOAD_QPS"):
+    for name in ("SIM_BASE_PORT", "SIM_PODS", "LOAD_QPS"):
         monkeypatch.setenv(name, "4")
+    monkeypatch.setenv("FRONT_URL", "http://127.0.0.1:4")
+    monkeypatch.setenv("FRONT_LABEL", "gateway")
     args = [os.path.expandvars(arg) for arg in shlex.split(line.partition("manage.py loadgen")[2])]
     options = Command().create_parser("manage.py", "loadgen").parse_args(args)
     assert options.reset_prefix_cache
@@ -124,18 +126,19 @@ def test_the_demo_load_of_make_run_resets_its_fleet_and_scores_on_the_web_port(m
 def test_the_demo_load_of_the_vllm_fleet_goes_through_the_gateway_with_its_block_size(monkeypatch):
     procfile = Path(__file__).resolve().parents[2] / "Procfile"
     line = next(line for line in procfile.read_text().splitlines() if line.startswith("vllmload:"))
-    pods = "--pod vllm-0=http://127.0.0.1:8300 --pod vllm-1=http://127.0.0.1:8301"  # as the Makefile says
+    pods = "--pod vllm-0=http://127.0.0.1:8400 --pod vllm-1=http://127.0.0.1:8401"  # as the Makefile says
     monkeypatch.setenv("VLLM_PODS_ARGS", pods)
     monkeypatch.setenv("VLLM_MODEL", "qwen3-41m-random")
-    for name in ("GATEWAY_PORT", "LOAD_QPS"):
-        monkeypatch.setenv(name, "4")
+    monkeypatch.setenv("FRONT_URL", "http://127.0.0.1:4")  # the gateway's, or Envoy's with FRONT=envoy
+    monkeypatch.setenv("FRONT_LABEL", "gateway")
+    monkeypatch.setenv("LOAD_QPS", "4")
     args = [
         arg
         for part in shlex.split(line.partition("manage.py loadgen")[2])
         for arg in shlex.split(os.path.expandvars(part))
     ]
     options = Command().create_parser("manage.py", "loadgen").parse_args(args)
-    assert options.pod == ["vllm-0=http://127.0.0.1:8300", "vllm-1=http://127.0.0.1:8301"]
+    assert options.pod == ["vllm-0=http://127.0.0.1:8400", "vllm-1=http://127.0.0.1:8401"]
     assert options.target == "http://127.0.0.1:4"
     assert options.block_size == 32
     assert not options.reset_prefix_cache  # vLLM resets its prefix cache in its dev mode only

@@ -22,6 +22,8 @@ def test_the_project_procfile_stops_the_load_first_ingest_late_and_valkey_last()
         "ingest",
         "sim",
         "gateway",
+        "epp",
+        "envoy",
         "loadgen",
         "vllm",
         "vllmload",
@@ -29,11 +31,12 @@ def test_the_project_procfile_stops_the_load_first_ingest_late_and_valkey_last()
     assert procfile.stop_order == (
         ("loadgen", "vllmload"),
         ("sim", "vllm"),
-        ("web", "gateway"),
+        ("envoy",),
+        ("web", "gateway", "epp"),
         ("ingest",),
         ("redis",),
     )
-    assert procfile.essential == {"redis", "web", "ingest", "gateway"}
+    assert procfile.essential == {"redis", "web", "ingest", "gateway", "epp", "envoy"}
 
 
 def test_the_project_procfile_gives_each_valkey_port_its_own_append_only_file():

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class EppConfig(AppConfig):
+    name = "epp"
+    verbose_name = "Endpoint Picker"
