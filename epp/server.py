@@ -18,6 +18,12 @@ One stream, in order:
    from the ``envoy.lb`` metadata Envoy forwards or from the header its route adds) takes the
    request's speculative entry and load; the client sees ``x-kvcache-pod`` instead of the address.
 
+Envoy closes the stream once the response's headers are through, while the answer may stream for
+minutes: what load the request puts on its pod, until it ends, the picker learns from Envoy's gRPC
+access log (``envoy.service.accesslog.v3``, on the same port: :class:`AccessLog`), one entry per
+request as it ends, matched by ``x-request-id`` (:class:`Endings`). Without that log the request
+counts until the stream closes.
+
 A subset hint (filter metadata ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``:
 a list of ``ip:port``) restricts the candidates: none left is a 503, as no live pod is. A request
 that cannot be routed gets Envoy's immediate response in OpenAI's error shape: 400 (not a JSON
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -44,13 +51,15 @@ import grpc
 import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from epp import metrics
-from routing.load import Dispatch
+from routing.load import Dispatch, LoadTracker
 from routing.router import ROUTED_PATHS, Decision, RouteError, Router, endpoint_of
 
 log = logging.getLogger(__name__)
@@ -79,15 +88,86 @@ class PickerSettings:
     """When the picker fails (a bug), let the request through without a destination instead of 500."""
 
 
+class Endings:
+    """Requests whose picker stream has closed while Envoy still carries their answer: each keeps
+    its load on its pod until Envoy's access log says it ended (or ``max_age`` passed: a log
+    entry lost). Bounded: at most ``max_pending`` requests wait, the oldest ended first."""
+
+    def __init__(self, load: LoadTracker, *, max_age: float = 900.0, max_pending: int = 65536) -> None:
+        self.load = load
+        self.max_age = max_age
+        self.max_pending = max_pending
+        self.logs = 0
+        """Access-log streams from Envoy open now: with none, a request ends with its stream."""
+        self._pending: OrderedDict[str, tuple[Dispatch, float]] = OrderedDict()
+        self._ended: OrderedDict[str, float] = OrderedDict()  # logged before their stream closed
+
+    def hand_over(self, request_id: str, dispatch: Dispatch) -> None:
+        """``dispatch``'s stream closed: it ends now, or when the access log says so."""
+        now = time.monotonic()
+        if not request_id or not self.logs or self._ended.pop(request_id, None) is not None:
+            self.load.finish(dispatch)
+            return
+        self._pending[request_id] = (dispatch, now)
+        while len(self._pending) > self.max_pending:
+            self.load.finish(self._pending.popitem(last=False)[1][0])
+        self._expire(now)
+
+    def ended(self, request_id: str) -> None:
+        """Envoy logged ``request_id``: its answer is over."""
+        found = self._pending.pop(request_id, None)
+        if found is not None:
+            self.load.finish(found[0])
+            return
+        self._ended[request_id] = time.monotonic()  # its stream has not closed yet
+        while len(self._ended) > self.max_pending:
+            self._ended.popitem(last=False)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            request_id, (dispatch, since) = next(iter(self._pending.items()))
+            if now - since < self.max_age:
+                break
+            del self._pending[request_id]
+            self.load.finish(dispatch)
+        while self._ended and now - next(iter(self._ended.values())) > self.max_age:
+            self._ended.popitem(last=False)
+
+
+class AccessLog(als_grpc.AccessLogServiceServicer):
+    """Envoy's HTTP access log: each entry ends its request's load (:class:`Endings`)."""
+
+    def __init__(self, endings: Endings) -> None:
+        self.endings = endings
+
+    async def StreamAccessLogs(  # the gRPC method's name
+        self, messages: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
+    ) -> als_pb2.StreamAccessLogsResponse:
+        self.endings.logs += 1
+        try:
+            async for message in messages:
+                for entry in message.http_logs.log_entry:
+                    if entry.request.request_id:
+                        self.endings.ended(entry.request.request_id)
+        finally:
+            self.endings.logs -= 1
+        return als_pb2.StreamAccessLogsResponse()
+
+
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
-    def __init__(self, router: Router, settings: PickerSettings) -> None:
+    def __init__(self, router: Router, settings: PickerSettings, endings: Endings | None = None) -> None:
         self.router = router
         self.settings = settings
+        self.endings = endings or Endings(router.load)
 
     async def Process(  # the gRPC method's name
         self, requests: AsyncIterator[ext_proc.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
-        exchange = _Exchange(self.router, self.settings)
+        exchange = _Exchange(self.router, self.settings, self.endings)
         try:
             async for message in requests:
                 for response in await exchange.on(message):
@@ -106,9 +186,10 @@ class _OutOfOrder(Exception):
 class _Exchange:
     """One HTTP request's stream: what the picker has seen of it and what it decided."""
 
-    def __init__(self, router: Router, settings: PickerSettings) -> None:
+    def __init__(self, router: Router, settings: PickerSettings, endings: Endings) -> None:
         self.router = router
         self.settings = settings
+        self.endings = endings
         self.headers: dict[str, str] | None = None
         self.subset: list[str] | None = None
         self.parts: list[bytes] = []
@@ -118,6 +199,7 @@ class _Exchange:
         self.decision: Decision | None = None
         self.pods_by_address: dict[str, str] = {}
         self.dispatch: Dispatch | None = None
+        self.answered = False  # the response's headers came: Envoy is carrying the answer
         self.buffered = False
         """Envoy buffers the body and sends it whole (``BUFFERED``: what failing open needs), waiting
         for the headers' answer first: the destination then goes with the body's answer."""
@@ -170,7 +252,8 @@ class _Exchange:
 
     def close(self) -> None:
         if self.dispatch is not None:
-            self.router.load.finish(self.dispatch)
+            request_id = (self.headers or {}).get("x-request-id", "") if self.answered else ""
+            self.endings.hand_over(request_id, self.dispatch)  # an answer under way ends with Envoy's log
             self.dispatch = None
 
     # --- the request ---------------------------------------------------------------------------
@@ -258,6 +341,7 @@ class _Exchange:
     def _served(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
         """The endpoint that served takes the request (its speculative entry, its load); the
         client sees the pod's name, not its address."""
+        self.answered = True
         headers = _header_map(message.response_headers.headers)
         served = _metadata_string(message.metadata_context, LB_NAMESPACE, SERVED) or headers.get(SERVED, "")
         pod = self.pods_by_address.get(served.strip(), "")

@@ -1,6 +1,6 @@
-"""The Endpoint Picker's process, no Django: the ext_proc service (``epp.server``) and the gRPC
-health service on one gRPC port, Prometheus metrics on another, and the routing core's load
-scraper, started and stopped together.
+"""The Endpoint Picker's process, no Django: the ext_proc service (``epp.server``), the access-log
+service that tells it when answers end and the gRPC health service on one gRPC port, Prometheus
+metrics on another, and the routing core's load scraper, started and stopped together.
 
 Health (``grpc.health.v1``, as the endpoint-picker protocol asks): ``liveness`` is ``SERVING`` while
 the process answers; ``readiness``, the overall status ``""`` and
@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -23,7 +24,7 @@ from prometheus_client import start_http_server
 
 from epp import metrics
 from epp.envoy import EndpointsFile
-from epp.server import EndpointPicker, PickerSettings
+from epp.server import AccessLog, Endings, EndpointPicker, PickerSettings
 from routing.router import Router, endpoint_of
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,11 @@ class PickerService:
                 ("grpc.so_reuseport", 0),
             ]
         )
+        self.endings = Endings(self.router.load)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-            EndpointPicker(self.router, self.settings), server
+            EndpointPicker(self.router, self.settings, self.endings), server
         )
+        als_grpc.add_AccessLogServiceServicer_to_server(AccessLog(self.endings), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         for service in READY_SERVICES:

@@ -261,3 +261,45 @@ def test_health_and_metrics(front: Front) -> None:
     assert 'kvcache_epp_decisions_total{outcome="routed"}' in text
     assert "kvcache_epp_pick_seconds_bucket" in text
     assert 'role="served"' in text
+
+
+def test_an_answer_counts_on_its_pod_until_envoy_logs_its_end(front: Front) -> None:
+    upstream = Served(
+        lambda s, r, w: _upstream(s, r, w, chunks=[b"data: x\n\n"] * 4, delay=0.3), lifespan="off"
+    )
+    front.system.gateways.append(upstream)
+    front.system.addresses.clear()
+    front.system.extra["stub"] = upstream.address
+    picker = front.picker(policy="random")
+    envoy = front.envoy(picker.address)
+    envoy.wait_for_hosts({upstream.address})
+    body = {"model": MODEL, "prompt": "x", "stream": True}
+    assert httpx.post(f"{envoy.url}/v1/completions", json=body, timeout=10).status_code == 200
+    # Envoy opens its access log with the first entry: from then on an answer's end is logged.
+    wait_until(lambda: picker.service.endings.logs == 1, what="Envoy's access log")
+    load = picker.router.load
+    with httpx.stream("POST", f"{envoy.url}/v1/completions", json=body, timeout=10) as answer:
+        chunks = answer.iter_raw()
+        next(chunks)
+        # The picker's stream closed with the response's headers; the answer still counts.
+        wait_until(lambda: picker.service.endings.pending == 1, what="the answer handed over")
+        assert load.in_flight["stub"] == 1
+        for _ in chunks:
+            pass
+    wait_until(lambda: load.in_flight["stub"] == 0, what="the answer's end, from the access log")
+    assert picker.service.endings.pending == 0
+
+
+def test_a_sheddable_request_is_shed_when_every_pod_has_a_queue(front: Front) -> None:
+    picker = front.picker(settings=PickerSettings(shed_queue=0))  # every pod counts as queued
+    envoy = front.envoy(picker.address)
+    envoy.wait_for_hosts(live(front))
+    shed = httpx.post(
+        f"{envoy.url}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+        headers={"x-kvcache-priority": "-1"},
+        timeout=10,
+    )
+    assert shed.status_code == 429
+    assert shed.json()["error"]["code"] == 429
+    assert complete(envoy.url, "x").status_code == 200  # a request of default priority is not
