@@ -1,5 +1,6 @@
-"""What the gateway adds to a request: the same request sent to a pod directly and through
-``manage.py gateway``, side by side in one run.
+"""What the gateway adds to a request: the same request sent to a pod directly, through
+``manage.py gateway`` and through a real Envoy routed by our Endpoint Picker (``manage.py epp``,
+the same policy: ``bench/envoy_front.py``), side by side in one run.
 
 Real processes: Valkey, ``manage.py simulate`` (2 zero-latency pods, registered with their
 addresses), ``manage.py ingest`` (their KV events), ``manage.py gateway --workers 1`` with the
@@ -22,9 +23,18 @@ request at these rates).
 streamed, ``--load-output-tokens`` each, so that requests overlap and the gateway relays answers
 while it keys new ones; the gateway's own time and CPU per request, no direct twin.
 
+Envoy + the picker (``--envoy``, the default; ``make envoy``): per row its added latency (p50,
+p90, p99), the picker's time per pick (``kvcache_epp_pick_seconds``, p50 and p90) and the CPU time
+of the picker and of Envoy per request. Before the policies, the *Envoy floor* rows split that
+added latency: Envoy alone in front of a pod (``plain``) and Envoy with a picker that names the
+pod without looking at the request (``fixed``, ``bench/fixed_picker.py``): Envoy's hop, then the
+ext_proc exchange in Python, apart from the choice. The *rate* rows (``--rate-connections``):
+distinct short completions as fast as ``wrk`` gets them answered through the gateway and through
+Envoy, requests/s and each process's CPU per request.
+
     .venv/bin/python bench/gateway.py [--requests 300] [--policies kv-load,random]
         [--prompts short,chat,distinct] [--load-qps 6] [--load-requests 240]
-        [--loops asyncio,uvloop] [--out FILE]
+        [--loops asyncio,uvloop] [--no-envoy] [--rate-connections 16,64] [--out FILE]
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench.envoy_front import EnvoyFloor, EnvoyFront  # noqa: E402
 from bench.faults import Valkey, free_port, free_port_range, project_env, wait_for  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from dashboard.gateways import Buckets, parse_gateway_metrics  # noqa: E402
@@ -122,6 +133,7 @@ class Stack:
             ),
         ]
         self.gateways: list[subprocess.Popen] = []
+        self.fronts: list[EnvoyFront] = []
         self.pod_url = f"http://127.0.0.1:{self.pod_port}"
         self.pod_urls = {f"sim-{i}": f"http://127.0.0.1:{self.pod_port + i}" for i in range(pods)}
         for url in self.pod_urls.values():
@@ -146,7 +158,17 @@ class Stack:
         wait_for(lambda: _answers(f"{url}/v1/models", b"Qwen"), timeout=60, what="the gateway", every=0.1)
         return url
 
+    def start_envoy(self, policy: str) -> str:
+        """Envoy + the Endpoint Picker with ``policy`` (``bench.envoy_front``); Envoy's base URL
+        once a request through it is routed."""
+        front = EnvoyFront(self.env, policy, self.tmp / "envoy", model=MODEL)
+        self.fronts.append(front)
+        return front.url
+
     def stop_gateways(self) -> None:
+        for front in self.fronts:
+            front.stop()
+        self.fronts.clear()
         for gateway in self.gateways:
             gateway.send_signal(signal.SIGTERM)
         for gateway in self.gateways:
@@ -228,31 +250,161 @@ class GatewayUse:
         }
 
 
-def measure(gateway_url: str, pid: int, pod_url: str, kind: str, requests: int) -> dict:
-    direct, through = [], []
+class FrontUse:
+    """What Envoy + the picker spent over a stretch of requests: the picker's time per pick and
+    both processes' CPU time."""
+
+    def __init__(self, front: EnvoyFront) -> None:
+        self.front = front
+        self.picks = front.pick_seconds()
+        self.cpu = {name: cpu_seconds(pid) for name, pid in front.pids.items()}
+
+    def report(self, requests: int) -> dict:
+        picks = self.front.pick_seconds().since(self.picks)
+        p50, p90 = picks.quantile(0.5), picks.quantile(0.9)
+        cpu = {
+            f"{name}_cpu_ms_per_request": round(1000 * (cpu_seconds(pid) - self.cpu[name]) / requests, 3)
+            for name, pid in self.front.pids.items()
+        }
+        return {
+            "pick_p50_ms": None if p50 is None else round(1000 * p50, 3),
+            "pick_p90_ms": None if p90 is None else round(1000 * p90, 3),
+            **cpu,
+        }
+
+
+def measure(
+    gateway_url: str, pid: int, pod_url: str, kind: str, requests: int, front: EnvoyFront | None = None
+) -> dict:
+    """Each request sent directly, through the gateway and (with ``front``) through Envoy + the
+    picker, one after the other: the same prompts, the same moment of the machine."""
+    targets = [("gateway", gateway_url)] + ([("envoy", front.url)] if front is not None else [])
+    direct: list[float] = []
+    through: dict[str, list[float]] = {name: [] for name, _ in targets}
     with httpx.Client(timeout=30) as client:
-        # Warm both (connections, caches, the prefix); distinct prompts warm with their own.
+        # Warm every path (connections, caches, the prefix); distinct prompts warm with their own.
         for path, body in bodies(kind, 20, start=10**6):
-            client.post(pod_url + path, json=body)
-            client.post(gateway_url + path, json=body)
+            for url in (pod_url, *(url for _, url in targets)):
+                client.post(url + path, json=body)
         use = GatewayUse(gateway_url, pid)
+        front_use = FrontUse(front) if front is not None else None
         for path, body in bodies(kind, requests):
-            for url, into in ((pod_url, direct), (gateway_url, through)):
+            for url, into in ((pod_url, direct), *((url, through[name]) for name, url in targets)):
                 started = time.perf_counter()
                 response = client.post(url + path, json=body)
                 into.append((time.perf_counter() - started) * 1000)
                 assert response.status_code == 200, response.text
         used = use.report(requests)
-    overhead = [t - d for t, d in zip(through, direct, strict=True)]
-    return {
+        front_used = front_use.report(requests) if front_use is not None else {}
+    overhead = [t - d for t, d in zip(through["gateway"], direct, strict=True)]
+    result = {
         "direct_p50_ms": round(statistics.median(direct), 3),
-        "gateway_p50_ms": round(statistics.median(through), 3),
+        "gateway_p50_ms": round(statistics.median(through["gateway"]), 3),
         "overhead_p50_ms": round(statistics.median(overhead), 3),
         "overhead_p90_ms": round(percentile(overhead, 0.9), 3),
         "overhead_p99_ms": round(percentile(overhead, 0.99), 3),
         **used,
         "requests": requests,
     }
+    if front is not None:
+        added = [t - d for t, d in zip(through["envoy"], direct, strict=True)]
+        result |= {
+            "envoy_p50_ms": round(statistics.median(through["envoy"]), 3),
+            "envoy_overhead_p50_ms": round(statistics.median(added), 3),
+            "envoy_overhead_p90_ms": round(percentile(added, 0.9), 3),
+            "envoy_overhead_p99_ms": round(percentile(added, 0.99), 3),
+            **front_used,
+        }
+    return result
+
+
+def measure_floor(pod_url: str, kind: str, requests: int, floors: dict[str, EnvoyFloor]) -> dict:
+    """What Envoy + the picker's added latency is made of: each request sent directly, through
+    Envoy alone (``plain``) and through Envoy and a picker that names the pod without looking
+    (``fixed``): Envoy's hop, then the ext_proc exchange, apart from the choice."""
+    times: dict[str, list[float]] = {"direct": [], **{name: [] for name in floors}}
+    with httpx.Client(timeout=30) as client:
+        for path, body in bodies(kind, 20, start=10**6):
+            for url in (pod_url, *(f.url for f in floors.values())):
+                client.post(url + path, json=body)
+        for path, body in bodies(kind, requests):
+            for name, url in (("direct", pod_url), *((n, f.url) for n, f in floors.items())):
+                started = time.perf_counter()
+                response = client.post(url + path, json=body)
+                times[name].append((time.perf_counter() - started) * 1000)
+                assert response.status_code == 200, response.text
+    result = {"direct_p50_ms": round(statistics.median(times["direct"]), 3), "requests": requests}
+    for name in floors:
+        added = [t - d for t, d in zip(times[name], times["direct"], strict=True)]
+        result[f"{name}_added_p50_ms"] = round(statistics.median(added), 3)
+        result[f"{name}_added_p99_ms"] = round(percentile(added, 0.99), 3)
+    return result
+
+
+WRK_SCRIPT = """
+-- Distinct short completions (a counter in each prompt), as bench/gateway.py's short row sends them.
+local n = 0
+local words = "%s"
+local run = tostring(os.time())
+request = function()
+  n = n + 1
+  local prompt = "question " .. n .. " of run " .. run .. ": " .. words
+  local body = '{"model": "%s", "max_tokens": 1, "prompt": "' .. prompt .. '"}'
+  return wrk.format("POST", "/v1/completions", {["Content-Type"] = "application/json"}, body)
+end
+"""
+
+
+def measure_rate(url: str, pids: dict[str, int], *, connections: int, seconds: int, workdir: Path) -> dict:
+    """Distinct short completions as fast as ``wrk`` gets them answered over ``connections``
+    connections: requests/s, latency, and each of ``pids``' CPU per request (the requests/s one
+    core of it would carry: 1000 / its CPU ms per request)."""
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        raise SystemExit("wrk is missing: make bench-deps")
+    words = " ".join(WORDS[j % len(WORDS)] for j in range(20))
+    script = workdir / "rate.lua"
+    script.write_text(WRK_SCRIPT % (words, MODEL))
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    argv = [
+        wrk,
+        "-t1",
+        f"-c{connections}",
+        f"-d{seconds}s",
+        "--latency",
+        "-s",
+        str(script),
+        url + "/v1/completions",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60, check=True).stdout
+    requests = int(next(line for line in out.splitlines() if "requests in" in line).split()[0])
+    rate = float(next(line for line in out.splitlines() if line.startswith("Requests/sec")).split()[1])
+    non_2xx = next((int(line.split()[-1]) for line in out.splitlines() if "Non-2xx" in line), 0)
+    latency = {
+        line.split()[0]: _ms(line.split()[1])
+        for line in out.splitlines()
+        if line.strip().startswith(("50%", "99%"))
+    }
+    cpu = {
+        f"{name}_cpu_ms_per_request": round(1000 * (cpu_seconds(pid) - before[name]) / max(requests, 1), 3)
+        for name, pid in pids.items()
+    }
+    return {
+        "connections": connections,
+        "requests_per_s": rate,
+        "non_2xx": non_2xx,
+        "p50_ms": latency.get("50%"),
+        "p99_ms": latency.get("99%"),
+        **cpu,
+    }
+
+
+def _ms(text: str) -> float:
+    """wrk's latency (``1.23ms``, ``456.00us``, ``1.20s``) in ms."""
+    for unit, scale in (("us", 0.001), ("ms", 1.0), ("s", 1000.0)):
+        if text.endswith(unit):
+            return round(float(text.removesuffix(unit)) * scale, 3)
+    return float(text)
 
 
 def measure_loaded(gateway_url: str, pid: int, *, qps: float, requests: int, output_tokens: int) -> dict:
@@ -304,20 +456,55 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--load-requests", type=int, default=240)
     parser.add_argument("--load-output-tokens", type=int, default=64)
     parser.add_argument("--loops", default="asyncio", help="the gateway's event loops: asyncio,uvloop")
+    parser.add_argument(
+        "--envoy", action=argparse.BooleanOptionalAction, default=True,
+        help="Envoy + the picker beside the gateway (make envoy)",
+    )  # fmt: skip
+    parser.add_argument("--rate-connections", default="16", help="rate rows over these connections (wrk)")
+    parser.add_argument("--rate-seconds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "gateway.json")
     args = parser.parse_args(argv)
     report: dict = {"machine": machine(requests=args.requests), "results": []}
     stack = Stack()
     try:
+        if args.envoy:  # Envoy's own hop and the ext_proc exchange, before any policy's choice
+            pod_address = stack.pod_url.removeprefix("http://")
+            floors = {
+                mode: EnvoyFloor(stack.env, pod_address, stack.tmp / "floor", mode)
+                for mode in ("plain", "fixed")
+            }
+            try:
+                for kind in args.prompts.split(","):
+                    result = {"policy": "-", "loop": "-", "prompt": f"{kind}: Envoy floor",
+                              **measure_floor(stack.pod_url, kind, args.requests, floors)}  # fmt: skip
+                    report["results"].append(result)
+                    print(json.dumps(result), flush=True)
+            finally:
+                for floor in floors.values():
+                    floor.stop()
         for loop in args.loops.split(","):
             for policy in args.policies.split(","):
                 stack.stop_gateways()
                 url = stack.start_gateway(policy, loop)
                 pid = stack.gateways[-1].pid
+                front = None
+                if args.envoy:
+                    stack.start_envoy(policy)
+                    front = stack.fronts[-1]
                 rows = [
-                    (kind, functools.partial(measure, url, pid, stack.pod_url, kind, args.requests))
+                    (kind, functools.partial(measure, url, pid, stack.pod_url, kind, args.requests, front))
                     for kind in args.prompts.split(",")
                 ]
+                for connections in [int(c) for c in args.rate_connections.split(",") if c] if front else []:
+                    for name, target, pids in (
+                        ("gateway", url, {"gateway": pid}),
+                        ("envoy", front.url, front.pids),
+                    ):
+                        rate = functools.partial(
+                            measure_rate, target, pids, connections=connections, seconds=args.rate_seconds,
+                            workdir=stack.tmp,
+                        )  # fmt: skip
+                        rows.append((f"rate via {name}", rate))
                 if args.load_qps > 0:
                     loaded = functools.partial(
                         measure_loaded,

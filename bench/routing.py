@@ -14,7 +14,9 @@ installed them, ``vllm-router`` with ``cache_aware`` and ``round_robin`` and ``s
 ``cache_aware`` and ``prefix_hash``, its best other policy here (``<peer>:<policy>``; why:
 ``bench/peers.py``); when ``make bench-dynamo`` installed it, ``dynamo:kv``, NVIDIA Dynamo's KV
 router fed by the pods' own KV events (``bench/dynamo.py``: the pods bind their event sockets, as
-vLLM's do, and ingest and Dynamo both subscribe).
+vLLM's do, and ingest and Dynamo both subscribe); ``envoy:<policy>``: a real Envoy routed by our
+Endpoint Picker with a gateway policy (``bench/envoy_front.py``, ``make envoy``): the same choice,
+made over ext_proc, the bytes carried by Envoy.
 
 Workloads (:data:`WORKLOADS`):
 
@@ -135,6 +137,8 @@ DEFAULT_ROUTERS = (
     "vllm-router:cache_aware,vllm-router:round_robin,smg:cache_aware,smg:prefix_hash,dynamo:kv"
 )
 DYNAMO = "dynamo:kv"
+ENVOY = "envoy:"
+"""``envoy:<policy>``: Envoy + the Endpoint Picker with a gateway policy (``bench.envoy_front``)."""
 TTFT_LIMIT_S = 2.0
 
 
@@ -284,6 +288,8 @@ class Routers:
     def _start(self, router: str, replica: int) -> str:
         if router in GATEWAY_POLICIES:
             return self.stack.start_gateway(router)
+        if router.startswith(ENVOY):
+            return self.stack.start_envoy(router.removeprefix(ENVOY))
         if router == DYNAMO:
             pods = fleet_pods(list(self.stack.pod_urls.values()), self.stack.events_endpoint)
             dynamo = start_dynamo(
@@ -302,7 +308,13 @@ class Routers:
         return peer.url
 
     def overhead_p50_ms(self, urls: list[str], router: str) -> float | None:
-        """The gateway's own time per request (p50 over its replicas' histograms); None for peers."""
+        """The gateway's own time per request (p50 over its replicas' histograms), the picker's
+        time per pick for ``envoy:<policy>``; None for peers."""
+        if router.startswith(ENVOY):
+            picks = [front.pick_seconds() for front in self.stack.fronts]
+            counts = zip(*(p.counts for p in picks), strict=True)
+            quantile = Buckets(picks[0].bounds, tuple(map(sum, counts))).quantile(0.5)
+            return None if quantile is None else 1000 * quantile
         if router not in GATEWAY_POLICIES:
             return None
         texts = [httpx.get(f"{url}/metrics", timeout=5).text for url in urls]
@@ -339,12 +351,15 @@ def run(args: argparse.Namespace) -> dict:
     for router in routers:
         name, _, policy = router.partition(":")
         known = router == DYNAMO or (name in PEERS and policy in PEERS[name].policies)
+        known = known or (router.startswith(ENVOY) and policy in GATEWAY_POLICIES)
         if router not in GATEWAY_POLICIES and not known:
-            raise SystemExit(f"unknown router {router!r}: a gateway policy, <peer>:<policy> or {DYNAMO}")
+            raise SystemExit(
+                f"unknown router {router!r}: a gateway policy, envoy:<policy>, <peer>:<policy> or {DYNAMO}"
+            )
     if DYNAMO in routers and not dynamo_installed():
         print("Dynamo's router is not installed (make bench-dynamo): running without it", file=sys.stderr)
         routers.remove(DYNAMO)
-    peers = [r for r in routers if r not in GATEWAY_POLICIES and r != DYNAMO]
+    peers = [r for r in routers if r not in GATEWAY_POLICIES and r != DYNAMO and not r.startswith(ENVOY)]
     if peers and not peers_installed():
         print("the peer routers are not installed (make bench-peers): running without them", file=sys.stderr)
         routers = [r for r in routers if r not in peers]

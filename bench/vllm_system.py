@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
+from bench.envoy_front import EnvoyFront  # noqa: E402
 from bench.faults import Valkey, free_port, free_port_range, project_env, wait_for  # noqa: E402
 from engines.fleet import BLOCK_SIZE, Engine, EngineSpec, start_engines  # noqa: E402
 from kvindex import open_index  # noqa: E402
@@ -128,6 +129,7 @@ class VllmSystem:
             for i in range(engines)
         }
         self.gateways: list[subprocess.Popen] = []
+        self.fronts: list[EnvoyFront] = []
         self.procs: dict[str, subprocess.Popen] = {}
         self.engines: dict[str, Engine] = {}
         self._logs = self.tmp / "logs"
@@ -238,7 +240,16 @@ class VllmSystem:
         wait_for(serves, timeout=60, what="the gateway", every=0.1)
         return url
 
+    def start_envoy(self, policy: str) -> str:
+        """Envoy + the Endpoint Picker with ``policy`` (``bench.envoy_front``), as ``start_gateway``."""
+        front = EnvoyFront(self.env, policy, self._logs, model=MODEL)
+        self.fronts.append(front)
+        return front.url
+
     def stop_gateways(self) -> None:
+        for front in self.fronts:
+            front.stop()
+        self.fronts.clear()
         _terminate(self.gateways)
         self.gateways.clear()
 

@@ -166,12 +166,14 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
 
     async def Process(  # the gRPC method's name
         self, requests: AsyncIterator[ext_proc.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ext_proc.ProcessingResponse]:
+    ) -> None:
+        """The stream read and written with ``context.read`` / ``write``: grpc.aio's faster API
+        (an async generator and iterator wrap every message in more tasks and awaits)."""
         exchange = _Exchange(self.router, self.settings, self.endings)
         try:
-            async for message in requests:
+            while (message := await context.read()) is not grpc.aio.EOF:
                 for response in await exchange.on(message):
-                    yield response
+                    await context.write(response)
         except _OutOfOrder as error:
             metrics.ERRORS.labels("protocol").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
