@@ -303,3 +303,27 @@ def test_a_sheddable_request_is_shed_when_every_pod_has_a_queue(front: Front) ->
     assert shed.status_code == 429
     assert shed.json()["error"]["code"] == 429
     assert complete(envoy.url, "x").status_code == 200  # a request of default priority is not
+
+
+def test_a_stream_out_of_order_is_refused_and_counted_and_a_big_body_is_413(front: Front) -> None:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+
+    from epp import metrics
+
+    picker = front.picker(settings=PickerSettings(max_body_bytes=1000))
+    before = metrics.ERRORS.labels("protocol")._value.get()
+    with grpc.insecure_channel(picker.address) as channel:
+        stub = ext_proc_grpc.ExternalProcessorStub(channel)
+        body_first = [
+            ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=b"{}", end_of_stream=True))
+        ]
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Process(iter(body_first), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert metrics.ERRORS.labels("protocol")._value.get() == before + 1
+    envoy = front.envoy(picker.address)
+    envoy.wait_for_hosts(live(front))
+    big = httpx.post(f"{envoy.url}/v1/completions", json={"model": MODEL, "prompt": "x" * 5000}, timeout=10)
+    assert big.status_code == 413
+    assert complete(envoy.url, "still serving").status_code == 200
