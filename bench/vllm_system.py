@@ -295,14 +295,15 @@ class VllmSystem:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def ask(self, body: dict, *, chat: bool = False) -> Answer:
-        """One request through the gateway (``stream`` in ``body``: read as server-sent events,
-        usage from the last chunk)."""
+    def ask(self, body: dict, *, chat: bool = False, url: str | None = None) -> Answer:
+        """One request through the gateway, or the front at ``url`` (``stream`` in ``body``: read
+        as server-sent events, usage from the last chunk)."""
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        front = url or self.gateway_url
         body = {"model": MODEL, "max_tokens": 1, **body}
         if body.get("stream"):
             body["stream_options"] = {"include_usage": True}
-            with self.client.stream("POST", f"{self.gateway_url}{path}", json=body) as response:
+            with self.client.stream("POST", f"{front}{path}", json=body) as response:
                 chunks = [
                     json.loads(line[len("data: ") :])
                     for line in response.iter_lines()
@@ -311,7 +312,7 @@ class VllmSystem:
                 headers, status = response.headers, response.status_code
             answer = next((c for c in reversed(chunks) if c.get("usage")), {"chunks": chunks})
         else:
-            response = self.client.post(f"{self.gateway_url}{path}", json=body)
+            response = self.client.post(f"{front}{path}", json=body)
             headers, status, answer = response.headers, response.status_code, response.json()
         usage = answer.get("usage") or {}
         matched = headers.get("x-kvcache-matched-blocks")

@@ -184,3 +184,22 @@ def test_after_ingest_is_killed_and_restarted_the_index_equals_the_engines_cache
     for answer, body in zip(served, missed, strict=True):
         again = exact(system, body)
         assert again.pod == answer.pod and again.matched_blocks == answer.prompt_tokens // BLOCK_SIZE, again
+
+
+def test_through_envoy_and_the_picker_a_repeated_prefix_reaches_the_engine_that_holds_it(system: VllmSystem):
+    url = system.start_envoy("kv-load")  # a real Envoy, routed by manage.py epp over ext_proc
+    try:
+        rng = random.Random(12)
+        prefix = words(rng, 500)
+        body = {"prompt": f"{prefix}\nQ: first"}
+        first = system.ask(body, url=url)
+        assert first.status == 200, first.body
+        assert first.pod in system.engines
+        system.settle(first, body)
+        for i in range(3):
+            again = system.ask({"prompt": f"{prefix}\nQ: question {i} {words(rng, 5)}"}, url=url)
+            assert again.pod == first.pod
+            assert again.cached_tokens >= (first.prompt_tokens // BLOCK_SIZE - 1) * BLOCK_SIZE, again
+            assert again.matched_blocks is None  # the picker tells no client what is cached
+    finally:
+        system.stop_gateways()
