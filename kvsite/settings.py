@@ -120,6 +120,7 @@ INSTALLED_APPS = [
     "simulator",
     "engines",
     "gateway",
+    "epp",
     "kvsite",  # manage.py serve; the API docs' ReDoc page
 ]
 
