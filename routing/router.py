@@ -180,7 +180,7 @@ class Router:
         model, lora = base_model(config, payload["model"])
         pods = live_pods(config, model)
         if not pods:
-            if model not in config.pods.values():
+            if model not in config.pods.values() and model not in config.pod_models:
                 raise RouteError(404, f"no pod serves the model {payload['model']!r}", "not_found_error")
             raise RouteError(
                 503, f"no live pod serves {payload['model']!r} (disabled, down or no address)", "unavailable"

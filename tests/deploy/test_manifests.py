@@ -1,7 +1,8 @@
 """The Kubernetes manifests in ``deploy/``, checked offline: the base and every overlay render,
 every object is valid for Kubernetes ``KUBERNETES_VERSION`` (the JSON schemas bundled with the
-pinned ``kubernetes-validate``, strict: an unknown field is an error), and the objects agree with
-each other, with the commands they run and with ``kvsite/settings.py``.
+pinned ``kubernetes-validate``, strict: an unknown field is an error; the InferencePool against its
+vendored CRD's schema, as strictly), and the objects agree with each other, with the commands they
+run and with ``kvsite/settings.py``.
 
 Nothing installable here renders Kustomize (Debian has no kustomize; on PyPI ``pykustomize``
 needs Python 3.14, ``kustomize`` writes manifests from Python, ``pytest-kustomize`` runs the
@@ -11,8 +12,9 @@ binary), so ``render`` below builds the kustomizations itself, for the subset of
 - ``resources``: YAML files (every document) and directories holding a kustomization;
 - ``configMapGenerator`` with ``name`` and ``envs`` (``KEY=VALUE`` lines, ``#`` comments): the
   ConfigMap's name gets a hash of its content and the pod specs' references to it follow it
-  (``envFrom``, ``configMapKeyRef``, ``configMap`` volumes). The suffix is 10 hex characters of a
-  SHA-256, not kustomize's exact string: nothing here depends on the string;
+  (``envFrom``, ``configMapKeyRef``, ``configMap`` volumes), an overlay's own pod specs too. The
+  suffix is 10 hex characters of a SHA-256, not kustomize's exact string: nothing here depends on
+  the string;
 - ``images`` with ``name``, ``newName``, ``newTag`` on pod templates' containers;
 - ``patches`` with a ``path`` to one document that is a ``$patch: delete`` of one object.
 
@@ -30,9 +32,11 @@ import json
 import re
 import shlex
 from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -45,6 +49,13 @@ BASE = DEPLOY / "base"
 OVERLAYS = sorted(path.parent for path in (DEPLOY / "overlays").glob("*/kustomization.yaml"))
 ENGINE_EXAMPLE = DEPLOY / "examples" / "vllm-engine.yaml"
 SECRETS_EXAMPLE = DEPLOY / "secrets.example.env"
+INFERENCE_POOL_OVERLAY = DEPLOY / "overlays" / "inference-pool"
+# Custom resources (apiVersion, kind) -> the CRD that defines them, vendored from their project.
+CRDS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): (
+        INFERENCE_POOL_OVERLAY / "crd" / "inference.networking.k8s.io_inferencepools.yaml"
+    ),
+}
 
 # The oldest Kubernetes minor the manifests claim (deploy/README.md); every field they use is GA
 # there. kubernetes-validate bundles 1.25 to 1.37.
@@ -59,7 +70,9 @@ EXPANSION = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # A manage.py command in a shell script, up to the shell's next operator or redirection.
 SHELL_MANAGE_PY = re.compile(r"python manage\.py ([^;&|<>]+)")
 # The commands the service runs, with the component that must run each (issue: deploy/).
-COMMANDS = {"serve": "web", "ingest": "ingest", "gateway": "gateway", "migrate": "migrate"}
+COMMANDS = {"serve": "web", "ingest": "ingest", "gateway": "gateway", "migrate": "migrate", "epp": "epp"}
+# The commands every render runs; the EPP runs where there is an InferencePool to pick endpoints of.
+SERVICE_COMMANDS = {"serve", "ingest", "gateway", "migrate"}
 
 
 # --- the renderer ------------------------------------------------------------------------------
@@ -71,16 +84,25 @@ class Unsupported(Exception):
 
 def render(directory: Path) -> list[dict]:
     """The objects ``kustomize build directory`` would print (the subset in the module docstring)."""
+    objects, _ = _render(directory)
+    return objects
+
+
+def _render(directory: Path) -> tuple[list[dict], dict[str, str]]:
+    """The objects, and each generated ConfigMap's name -> its hashed name (the generators of the
+    resources' kustomizations too: an overlay's pod specs refer to its base's ConfigMaps by name)."""
     kustomization = _one_document(directory / "kustomization.yaml")
     _only(kustomization, {"apiVersion", "kind", "resources", "configMapGenerator", "images", "patches"})
     objects: list[dict] = []
+    renamed: dict[str, str] = {}
     for entry in kustomization.get("resources", []):
         path = directory / entry
         if path.is_dir():
-            objects += render(path)
+            below, below_renamed = _render(path)
+            objects += below
+            renamed |= below_renamed
         else:
             objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-    renamed = {}
     for generator in kustomization.get("configMapGenerator", []):
         _only(generator, {"name", "envs"})
         data: dict[str, str] = {}
@@ -111,7 +133,7 @@ def render(directory: Path) -> list[dict]:
     ids = [object_id(obj) for obj in objects]
     duplicates = {i for i in ids if ids.count(i) > 1}
     assert not duplicates, f"{directory}: objects defined twice: {duplicates}"
-    return objects
+    return objects, renamed
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -293,9 +315,50 @@ def app_image() -> str:
 # --- the checks: each returns what is wrong, so that a test of it can show it failing ----------
 
 
+@cache
+def crd_schema(path: Path, version: str) -> dict:
+    """The JSON schema of a CRD's ``version`` (its ``openAPIV3Schema``), made strict."""
+    crd = _one_document(path)
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return strict_schema(served["schema"]["openAPIV3Schema"])
+
+
+def strict_schema(schema: object) -> object:
+    """An OpenAPI v3 schema as a JSON schema, strict as ``kubernetes-validate``'s: an object whose
+    properties it lists takes no other. The ``x-kubernetes-*`` extensions (list types, CEL rules)
+    are the API server's and dropped; what their rules say is checked by the cross-checks."""
+    if isinstance(schema, list):
+        return [strict_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    strict = {
+        key: strict_schema(value) for key, value in schema.items() if not key.startswith("x-kubernetes-")
+    }
+    if "properties" in schema:
+        # Keys under "properties" are field names, not keywords: a field may be named anything.
+        strict["properties"] = {name: strict_schema(value) for name, value in schema["properties"].items()}
+        strict.setdefault("additionalProperties", False)
+    return strict
+
+
+def custom_resource_problems(obj: dict) -> list[str]:
+    """``obj`` against its vendored CRD's schema of its version (jsonschema, draft 2020-12 as
+    ``kubernetes-validate``)."""
+    path = CRDS[(obj["apiVersion"], obj["kind"])]
+    schema = crd_schema(path, obj["apiVersion"].rpartition("/")[2])
+    validator = jsonschema.Draft202012Validator(schema)
+    return [
+        f"{object_id(obj)} at {'/'.join(str(part) for part in error.path) or '/'}: {error.message}"
+        for error in validator.iter_errors(obj)
+    ]
+
+
 def schema_problems(objects: list[dict]) -> list[str]:
     problems = []
     for obj in objects:
+        if (obj["apiVersion"], obj["kind"]) in CRDS:
+            problems += custom_resource_problems(obj)
+            continue
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
@@ -483,13 +546,22 @@ def command_problems(objects: list[dict]) -> list[str]:
                     problems.append(f"manage.py {name} listens on {given.get('host')}, not every interface")
                 if given.get("port") != str(container_port(container, "http")):
                     problems.append(f"manage.py {name} --port={given.get('port')}: the http port differs")
+            if name == "epp":
+                if given.get("host") != "0.0.0.0":
+                    problems.append(f"manage.py epp listens on {given.get('host')}, not every interface")
+                for option, port in (("grpc-port", "grpc"), ("metrics-port", "metrics")):
+                    if given.get(option) != str(container_port(container, port)):
+                        problems.append(
+                            f"manage.py epp --{option}={given.get(option)}: the {port} port differs"
+                        )
             if name == "ingest":
                 if given.get("bind") != f"tcp://*:{container_port(container, 'zmq')}":
                     problems.append(f"manage.py ingest --bind={given.get('bind')}: the zmq port differs")
                 if given.get("metrics-port") != str(container_port(container, "metrics")):
                     problems.append("manage.py ingest --metrics-port: the metrics port differs")
-    if sorted(seen) != sorted(COMMANDS):
-        problems.append(f"commands run: {sorted(seen)}, expected each of {sorted(COMMANDS)} once")
+    expected = SERVICE_COMMANDS | ({"epp"} if inference_pools(objects) else set())
+    if sorted(seen) != sorted(expected):
+        problems.append(f"commands run: {sorted(seen)}, expected each of {sorted(expected)} once")
     for container in _containers(objects):
         if container.get("command", [])[:2] == ["sh", "-c"]:
             for line in SHELL_MANAGE_PY.findall(container["command"][2]):
@@ -510,6 +582,97 @@ def parse_problems(name: str, args: list[str]) -> list[str]:
     return []
 
 
+def inference_pools(objects: list[dict]) -> list[dict]:
+    return [obj for obj in objects if obj["kind"] == "InferencePool"]
+
+
+def inference_pool_problems(objects: list[dict]) -> list[str]:
+    """Each InferencePool selects the engine example's pods on their HTTP port and names the EPP's
+    Service and its gRPC port; the EPP reads that pool, in its own namespace, serving the engines'
+    model; its ServiceAccount may read the pool and list and watch pods (and nothing more)."""
+    problems = []
+    engine = _one_document(ENGINE_EXAMPLE)
+    (engine_container,) = engine["spec"]["template"]["spec"]["containers"]
+    epps = [
+        (workload, container)
+        for workload in workloads(objects)
+        for container in workload["spec"]["template"]["spec"]["containers"]
+        if (manage_py_command(container) or [None])[0] == "epp"
+    ]
+    for pool in inference_pools(objects):
+        name, spec = pool["metadata"]["name"], pool["spec"]
+        if not selects(match_labels(spec["selector"]), pod_labels(engine)):
+            problems.append(f"InferencePool {name}: its selector misses the engine example's pods")
+        if spec["targetPorts"][0]["number"] != container_port(engine_container, "http"):
+            problems.append(f"InferencePool {name}: targetPorts[0] is not the engines' http port")
+        ref = spec["endpointPickerRef"]
+        if ref.get("kind", "Service") != "Service" or ref.get("group", "") != "":
+            problems.append(f"InferencePool {name}: its endpoint picker is no Service")
+        service = next(
+            (o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == ref["name"]), None
+        )
+        if service is None:
+            problems.append(f"InferencePool {name}: no Service {ref['name']} for its endpoint picker")
+            continue
+        port = next(
+            (p for p in service["spec"]["ports"] if p["port"] == ref.get("port", {}).get("number")), None
+        )
+        if port is None or port.get("appProtocol") != "http2":
+            problems.append(
+                f"InferencePool {name}: Service {ref['name']} has no http2 port {ref.get('port')}"
+            )
+        readers = [
+            (workload, container)
+            for workload, container in epps
+            if selects(service["spec"].get("selector"), pod_labels(workload))
+            and port is not None
+            and has_port(workload, port.get("targetPort", port["port"]))
+        ]
+        if not readers:
+            problems.append(f"InferencePool {name}: Service {ref['name']} selects no EPP on that port")
+        for workload, container in readers:
+            given = options(manage_py_command(container))
+            if given.get("pool-name") != name:
+                problems.append(f"{object_id(workload)} reads pool {given.get('pool-name')}, not {name}")
+            env = {var["name"]: var for var in container.get("env", [])}
+            namespace = env.get("POD_NAMESPACE", {}).get("valueFrom", {}).get("fieldRef", {})
+            if given.get("pool-namespace") != "$(POD_NAMESPACE)" or namespace.get("fieldPath") != (
+                "metadata.namespace"
+            ):
+                problems.append(f"{object_id(workload)} reads a pool outside its own namespace")
+            if given.get("pool-model") != engine_container["args"][0]:
+                problems.append(f"{object_id(workload)} --pool-model is not the engines' model")
+            problems += rbac_problems(objects, workload)
+    return problems
+
+
+# What the EPP reads of the API: (API group, resource) -> the verbs it needs.
+EPP_ACCESS = {("inference.networking.k8s.io", "inferencepools"): {"get"}, ("", "pods"): {"list", "watch"}}
+
+
+def rbac_problems(objects: list[dict], workload: dict) -> list[str]:
+    """The workload's ServiceAccount is bound to Roles that grant ``EPP_ACCESS``, exactly."""
+    account = workload["spec"]["template"]["spec"].get("serviceAccountName", "default")
+    if not any(o["kind"] == "ServiceAccount" and o["metadata"]["name"] == account for o in objects):
+        return [f"{object_id(workload)}: ServiceAccount {account} does not exist"]
+    roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Role"}
+    granted: dict[tuple[str, str], set[str]] = {}
+    for binding in (o for o in objects if o["kind"] == "RoleBinding"):
+        subjects = binding.get("subjects", [])
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == account for s in subjects):
+            continue
+        role = roles.get(binding["roleRef"]["name"]) if binding["roleRef"]["kind"] == "Role" else None
+        if role is None:
+            return [f"RoleBinding {binding['metadata']['name']}: no Role {binding['roleRef']['name']}"]
+        for rule in role["rules"]:
+            for group in rule.get("apiGroups", []):
+                for resource in rule.get("resources", []):
+                    granted.setdefault((group, resource), set()).update(rule["verbs"])
+    if granted != EPP_ACCESS:
+        return [f"{object_id(workload)}: its ServiceAccount is granted {granted}, not {EPP_ACCESS}"]
+    return []
+
+
 def all_problems(objects: list[dict]) -> list[str]:
     secrets = [operator_secret()]
     return (
@@ -522,6 +685,7 @@ def all_problems(objects: list[dict]) -> list[str]:
         + expansion_problems(objects)
         + image_problems(objects)
         + command_problems(objects)
+        + inference_pool_problems(objects)
     )
 
 
@@ -657,6 +821,45 @@ def test_the_engine_example_publishes_to_ingest_as_the_service_hashes(base: list
     assert replay_port == container_port(container, "kv-replay")
 
 
+@pytest.fixture(scope="module")
+def pooled() -> list[dict]:
+    return render(INFERENCE_POOL_OVERLAY)
+
+
+def test_the_inference_pool_overlay_is_the_base_with_a_pool_and_its_epp(
+    base: list[dict], pooled: list[dict]
+) -> None:
+    assert [obj for obj in pooled if obj in base] == base
+    added = {(obj["kind"], obj["metadata"]["name"]) for obj in pooled if obj not in base}
+    assert added == {
+        ("InferencePool", "vllm-qwen3"),
+        *((kind, "kvcache-epp") for kind in ("ServiceAccount", "Role", "RoleBinding", "Deployment")),
+        ("Service", "kvcache-epp"),
+        ("PodDisruptionBudget", "kvcache-epp"),
+    }
+
+
+def test_the_inference_pool_and_its_epp_agree(pooled: list[dict]) -> None:
+    (pool,) = inference_pools(pooled)
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+    assert inference_pool_problems(pooled) == []
+
+
+def test_the_vendored_crd_is_the_inference_pool_v1() -> None:
+    path = CRDS[("inference.networking.k8s.io/v1", "InferencePool")]
+    crd = _one_document(path)
+    assert crd["spec"]["group"] == "inference.networking.k8s.io"
+    assert crd["spec"]["names"]["plural"] == "inferencepools"
+    (v1,) = [version for version in crd["spec"]["versions"] if version["name"] == "v1"]
+    assert v1["served"] and v1["storage"]
+    assert "Apache License 2.0" in path.read_text().partition("apiVersion:")[0]
+    schema = crd_schema(path, "v1")
+    spec = schema["properties"]["spec"]
+    assert spec["additionalProperties"] is False
+    assert set(spec["required"]) == {"selector", "targetPorts"}
+    assert "x-kubernetes-validations" not in spec["properties"]["endpointPickerRef"]
+
+
 # --- the checks themselves fail on broken manifests ---------------------------------------------
 
 
@@ -772,6 +975,82 @@ def test_each_check_fails_on_a_broken_manifest(base: list[dict], breakage: str) 
     assert all_problems(broken) != []
 
 
+def _epp(objects: list[dict]) -> dict:
+    return _container(objects, "kvcache-epp")
+
+
+def _pool(objects: list[dict]) -> dict:
+    (pool,) = inference_pools(objects)
+    return pool
+
+
+def _field_the_inference_pool_crd_does_not_have(objects: list[dict]) -> None:
+    _pool(objects)["spec"]["targetPort"] = 8000
+
+
+def _inference_pool_port_out_of_range(objects: list[dict]) -> None:
+    _pool(objects)["spec"]["targetPorts"][0]["number"] = 80000
+
+
+def _endpoint_picker_on_another_port(objects: list[dict]) -> None:
+    _pool(objects)["spec"]["endpointPickerRef"]["port"]["number"] = 9003
+
+
+def _inference_pool_selector_missing_the_engines(objects: list[dict]) -> None:
+    _pool(objects)["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] = "vllm-qwen"
+
+
+def _epp_reads_another_pool(objects: list[dict]) -> None:
+    _replace_argument(_epp(objects), "--pool-name=", "--pool-name=qwen3")
+
+
+def _epp_grpc_port_unlike_its_container_port(objects: list[dict]) -> None:
+    _replace_argument(_epp(objects), "--grpc-port=", "--grpc-port=9003")
+
+
+def _epp_option_the_command_does_not_have(objects: list[dict]) -> None:
+    _replace_argument(_epp(objects), "--pool-model=", "--model=Qwen/Qwen3-0.6B")
+
+
+def _role_without_watch(objects: list[dict]) -> None:
+    _find(objects, "Role", "kvcache-epp")["rules"][1]["verbs"] = ["list"]
+
+
+def _epp_service_selecting_no_epp(objects: list[dict]) -> None:
+    _find(objects, "Service", "kvcache-epp")["spec"]["selector"]["app.kubernetes.io/component"] = "ep"
+
+
+INFERENCE_POOL_BREAKAGES: dict[
+    str, tuple[Callable[[list[dict]], None], Callable[[list[dict]], list[str]]]
+] = {
+    "field the InferencePool CRD does not have": (
+        _field_the_inference_pool_crd_does_not_have,
+        schema_problems,
+    ),
+    "InferencePool port out of range": (_inference_pool_port_out_of_range, schema_problems),
+    "endpoint picker on another port": (_endpoint_picker_on_another_port, inference_pool_problems),
+    "InferencePool missing the engines": (
+        _inference_pool_selector_missing_the_engines,
+        inference_pool_problems,
+    ),
+    "EPP reading another pool": (_epp_reads_another_pool, inference_pool_problems),
+    "EPP --grpc-port unlike its port": (_epp_grpc_port_unlike_its_container_port, command_problems),
+    "EPP option it does not have": (_epp_option_the_command_does_not_have, command_problems),
+    "Role without watch": (_role_without_watch, inference_pool_problems),
+    "EPP Service selecting no EPP": (_epp_service_selecting_no_epp, inference_pool_problems),
+}
+
+
+@pytest.mark.parametrize("breakage", list(INFERENCE_POOL_BREAKAGES))
+def test_each_inference_pool_check_fails_on_a_broken_manifest(pooled: list[dict], breakage: str) -> None:
+    breaking, check = INFERENCE_POOL_BREAKAGES[breakage]
+    assert check(pooled) == []
+    broken = copy.deepcopy(pooled)
+    breaking(broken)
+    assert check(broken) != []
+    assert all_problems(broken) != []
+
+
 # --- the renderer itself ---------------------------------------------------------------------------
 
 
@@ -828,6 +1107,23 @@ def test_render_deletes_an_object_of_the_base(tmp_path: Path) -> None:
     )
     assert len(render(base)) == 1
     assert render(overlay) == []
+
+
+def test_render_renames_a_base_config_map_in_an_overlay_resource(tmp_path: Path) -> None:
+    base, overlay = tmp_path / "base", tmp_path / "overlay"
+    base.mkdir()
+    overlay.mkdir()
+    generator = "configMapGenerator: [{name: settings, envs: [s.env]}]\n"
+    _write(base, {"kustomization.yaml": generator, "s.env": "A=1\n"})
+    other = DEPLOYMENT.replace("name: app}", "name: other}")
+    _write(overlay, {"kustomization.yaml": "resources: [../base, other.yaml]\n", "other.yaml": other})
+    objects = render(overlay)
+    config_map = next(obj for obj in objects if obj["kind"] == "ConfigMap")
+    (container,) = next(obj for obj in objects if obj["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert config_map["metadata"]["name"].startswith("settings-")
+    assert container["envFrom"][0]["configMapRef"]["name"] == config_map["metadata"]["name"]
 
 
 PATCH = "resources: [app.yaml]\npatches: [{path: p.yaml}]\n"
