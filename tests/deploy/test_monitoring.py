@@ -119,6 +119,18 @@ def test_the_dashboard_is_importable_with_a_datasource_and_a_pod_variable(dashbo
         assert all(t["expr"].strip() and t["refId"] for t in panel["targets"]), panel["title"]
 
 
+def test_the_dashboard_panels_fit_the_grid_without_overlapping(dashboard):
+    """Grafana's grid is 24 columns wide; a panel placed over another one is moved on import."""
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["w"] > 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        for y in range(grid["y"], grid["y"] + grid["h"]):
+            for x in range(grid["x"], grid["x"] + grid["w"]):
+                other = cells.setdefault((x, y), panel["title"])
+                assert other == panel["title"], f"{panel['title']!r} overlaps {other!r}"
+
+
 def test_every_rule_says_what_it_watches_and_what_to_check(rules):
     names = [rule["alert"] for rule in rules]
     assert len(names) == len(set(names)), "alert names must be unique"
