@@ -6,7 +6,9 @@ The exposition comes from the real code paths, in this process: the ingest pipel
 events (and one malformed message) over ZeroMQ and its registry is built as ``manage.py ingest``
 builds it; the web's ``/metrics`` is read through its ASGI application after one score; the
 gateway routes requests to stub pods (one answering, one failing with 503, one unreachable) and
-its ``/metrics`` is read. vLLM's own ``vllm:`` names cannot be rendered here, so the assets use
+its ``/metrics`` is read; the Endpoint Picker, a real gRPC server, is asked about requests over
+ext_proc streams as Envoy opens them (no Envoy: a gRPC client plays its part) and its
+``--metrics-port`` is read. vLLM's own ``vllm:`` names cannot be rendered here, so the assets use
 none (one that appeared would be reported as not exposed).
 """
 
@@ -16,18 +18,25 @@ import asyncio
 import contextlib
 import http.server
 import json
+import queue
 import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import redis
 import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from epp import metrics as epp_metrics
+from epp.server import DESTINATION, SERVED
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings
 from ingest.events import BlockStored, encode_message
 from ingest.stats import IngestStats, IngestStatsCollector
@@ -38,7 +47,9 @@ from registry.config import ServiceConfig
 from registry.liveness import LivenessCollector, LivenessProber
 from registry.models import Pod
 from registry.snapshot import ConfigSource
+from routing.router import RouterHandles
 from tests.asgi import AsgiClient
+from tests.epp.harness import Picker
 from tests.ingest.conftest import Harness
 from tests.servers import free_port, wait_until
 from tokenization.tokenizers import TokenizerRegistry
@@ -54,6 +65,7 @@ COUNTER_SUFFIXES = ("_total", "_bucket", "_count", "_sum")
 
 MODEL = "Qwen/Qwen3-0.6B"
 OTHER_MODEL = "acme/no-tokenizer"  # no tokenizer anywhere: the gateway routes it blind
+DOWN_MODEL = "acme/down"  # served by one pod, found down: no live pod
 SEED = "42"
 BLOCK = 16
 WARM = list(range(1000, 1000 + 4 * BLOCK))  # 4 blocks, held by pod-ok
@@ -105,6 +117,18 @@ def test_the_dashboard_is_importable_with_a_datasource_and_a_pod_variable(dashbo
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert panel["targets"], panel["title"]
         assert all(t["expr"].strip() and t["refId"] for t in panel["targets"]), panel["title"]
+
+
+def test_the_dashboard_panels_fit_the_grid_without_overlapping(dashboard):
+    """Grafana's grid is 24 columns wide; a panel placed over another one is moved on import."""
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["w"] > 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        for y in range(grid["y"], grid["y"] + grid["h"]):
+            for x in range(grid["x"], grid["x"] + grid["w"]):
+                other = cells.setdefault((x, y), panel["title"])
+                assert other == panel["title"], f"{panel['title']!r} overlaps {other!r}"
 
 
 def test_every_rule_says_what_it_watches_and_what_to_check(rules):
@@ -249,6 +273,107 @@ def gateway_exposition(index: KVIndex) -> str:
     return text
 
 
+def header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:
+    return base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=name, raw_value=value.encode()) for name, value in headers.items()]
+    )
+
+
+def header_set(mutation: ext_proc.HeaderMutation, name: str) -> str:
+    """The value a picker's mutation sets ``name`` to (``""``: it sets none)."""
+    values = [
+        option.header.raw_value.decode() for option in mutation.set_headers if option.header.key == name
+    ]
+    return values[0] if values else ""
+
+
+def ask_picker(stub: ExternalProcessorStub, body: dict) -> tuple[int, str]:
+    """One ``POST /v1/completions`` as Envoy puts it to the picker: the request's headers, its
+    body, then, when the picker named endpoints, the response's headers saying the first one
+    served (status 200). The status the client gets (the immediate response's when refused) and
+    the pod it is told served it (``x-kvcache-pod``; ``""`` when refused)."""
+    served: queue.Queue[str | None] = queue.Queue()
+
+    def messages() -> Iterator[ext_proc.ProcessingRequest]:
+        request = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
+        yield ext_proc.ProcessingRequest(request_headers=ext_proc.HttpHeaders(headers=header_map(request)))
+        yield ext_proc.ProcessingRequest(
+            request_body=ext_proc.HttpBody(body=json.dumps(body).encode(), end_of_stream=True)
+        )
+        endpoint = served.get(timeout=10)
+        if endpoint is not None:
+            response = header_map({":status": "200", SERVED: endpoint})
+            yield ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders(headers=response))
+
+    answers = stub.Process(messages(), timeout=10)
+    endpoint = None
+    try:
+        first = next(answers)
+        if not first.HasField("immediate_response"):
+            endpoint = header_set(first.request_headers.response.header_mutation, DESTINATION).split(",")[0]
+    finally:
+        served.put(endpoint)  # the messages go on (or end) whatever the answer
+    rest = list(answers)
+    if endpoint is None:
+        return first.immediate_response.status.code, ""
+    return 200, header_set(rest[-1].response_headers.response.header_mutation, "x-kvcache-pod")
+
+
+def epp_exposition(index: KVIndex) -> str:
+    """The Endpoint Picker's ``/metrics`` (its registry and the routing core's ``kvcache_epp_*``
+    counts, as ``manage.py epp --metrics-port`` serves them) after five ext_proc streams: a prefix
+    hit on pod-ok, which serves it; one it cannot tokenize, served by pod-other; one for a model
+    no pod serves (404); one whose only pod is down (503); one out of order (a body first)."""
+    pods = {
+        "pod-ok": MODEL,
+        "pod-5xx": MODEL,
+        "pod-gone": MODEL,
+        "pod-other": OTHER_MODEL,
+        "pod-down": DOWN_MODEL,
+    }
+    # Nothing listens there: the picker only names the addresses (its load scrapes fail, counted).
+    addresses = {pod: f"127.0.0.1:{free_port()}" for pod in pods}
+    config = ServiceConfig(
+        seed=SEED,
+        default_block_size=BLOCK,
+        pods=pods,
+        pod_addresses=addresses,
+        down_pods=frozenset({"pod-down"}),
+    )
+    tokenizers = TokenizerRegistry()
+    handles = RouterHandles(
+        config=ConfigSource(lambda: config, max_age=0.0),
+        index=lambda: index,
+        tokenizers=lambda _config: tokenizers,
+        sandbox=lambda: None,
+    )
+    metrics_port = free_port()
+    picker = Picker(handles, endpoints_file=None, metrics_port=metrics_port, metrics=epp_metrics.ROUTING)
+    try:
+        with grpc.insecure_channel(picker.address) as channel:
+            stub = ExternalProcessorStub(channel)
+            answers = [
+                ask_picker(stub, {"model": model, "prompt": prompt, "max_tokens": 1})
+                for model, prompt in (
+                    (MODEL, WARM),
+                    (OTHER_MODEL, "hello"),
+                    ("acme/unknown", "hi"),
+                    (DOWN_MODEL, "hi"),
+                )
+            ]
+            body_first = ext_proc.ProcessingRequest(
+                request_body=ext_proc.HttpBody(body=b"{}", end_of_stream=True)
+            )
+            with pytest.raises(grpc.RpcError) as out_of_order:
+                list(stub.Process(iter([body_first]), timeout=10))
+        assert out_of_order.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    finally:
+        picker.stop()
+    assert answers == [(200, "pod-ok"), (200, "pod-other"), (404, ""), (503, "")]
+    return text
+
+
 def sample_names(text: str) -> set[str]:
     """Every sample name of an exposition (``_total``, ``_bucket``... included)."""
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
@@ -256,7 +381,8 @@ def sample_names(text: str) -> set[str]:
 
 @pytest.fixture
 def exposed(db, settings, redis_url, monkeypatch) -> set[str]:
-    """Every sample name the ingest process, the web and the gateway expose after a little work."""
+    """Every sample name the ingest process, the web, the gateway and the Endpoint Picker expose
+    after a little work."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     settings.KVCACHE_HASH_SEED = SEED
     settings.KVCACHE_API_KEYS = []
@@ -272,6 +398,7 @@ def exposed(db, settings, redis_url, monkeypatch) -> set[str]:
             ingest_exposition(harness.stats),
             web_exposition(harness.stats, redis_url),
             gateway_exposition(index),
+            epp_exposition(index),
         ]
     finally:
         runtime.set_index(None)

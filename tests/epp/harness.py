@@ -18,6 +18,7 @@ import httpx
 from epp.envoy import EndpointsFile
 from epp.server import PickerSettings
 from epp.service import PickerService
+from routing.metrics import RoutingMetrics
 from routing.router import Router, RouterHandles, RouterSettings
 from tests.servers import wait_until
 
@@ -31,7 +32,9 @@ def free_port() -> int:
 
 
 class Picker:
-    """``PickerService`` over ``handles``, served from a thread until :meth:`stop`."""
+    """``PickerService`` over ``handles``, served from a thread until :meth:`stop`; the routing
+    core counts into ``metrics`` (``epp.metrics.ROUTING``, as ``manage.py epp`` has it) or, by
+    default, into collectors of its own."""
 
     def __init__(
         self,
@@ -41,10 +44,11 @@ class Picker:
         settings: PickerSettings | None = None,
         port: int = 0,
         metrics_port: int | None = None,
+        metrics: RoutingMetrics | None = None,
         **router_settings,
     ) -> None:
         router_settings.setdefault("seed", 7)
-        self.router = Router(handles, RouterSettings(**router_settings))
+        self.router = Router(handles, RouterSettings(**router_settings), metrics)
         self.service = PickerService(
             self.router,
             settings or PickerSettings(),
