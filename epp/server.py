@@ -41,6 +41,7 @@ picker sees the request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -177,6 +178,13 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         except _OutOfOrder as error:
             metrics.ERRORS.labels("protocol").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except asyncio.CancelledError:  # Envoy went away mid-request (the client, a reset)
+            metrics.ERRORS.labels("cancelled").inc()
+            raise
+        except Exception:
+            metrics.ERRORS.labels("internal").inc()
+            log.exception("an ext_proc stream failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "the endpoint picker failed")
         finally:
             exchange.close()
 
