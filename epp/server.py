@@ -109,6 +109,9 @@ class Endings:
         if not request_id or not self.logs or self._ended.pop(request_id, None) is not None:
             self.load.finish(dispatch)
             return
+        earlier = self._pending.pop(request_id, None)
+        if earlier is not None:  # an id seen twice (Envoy makes them; a client's must not leak load)
+            self.load.finish(earlier[0])
         self._pending[request_id] = (dispatch, now)
         while len(self._pending) > self.max_pending:
             self.load.finish(self._pending.popitem(last=False)[1][0])
