@@ -84,6 +84,20 @@ class RouterSettings:
     pod_api_key: str = ""
     """Sent to the pods' ``/metrics`` as ``Authorization: Bearer`` (empty: none)."""
 
+    @classmethod
+    def from_settings(cls, settings: object, **overrides: object) -> RouterSettings:
+        """From the service's settings (``KVCACHE_*`` attributes: the Django shell's
+        ``django.conf.settings``; the gateway's and the picker's are the same ones)."""
+        values = {
+            "policy": settings.KVCACHE_GATEWAY_POLICY,
+            "alpha": settings.KVCACHE_GATEWAY_ALPHA,
+            "speculative_seconds": settings.KVCACHE_SPECULATIVE_SECONDS,
+            "threads": settings.KVCACHE_SCORING_THREADS,
+            "allow_request_templates": settings.KVCACHE_REQUEST_TEMPLATES,
+            "pod_api_key": settings.KVCACHE_GATEWAY_POD_API_KEY,
+        }
+        return cls(**{**values, **{k: v for k, v in overrides.items() if v is not None}})
+
 
 @dataclass(frozen=True, slots=True)
 class RouterHandles:

@@ -55,6 +55,17 @@ class Front:
         self.envoys.append(envoy)
         return envoy
 
+    def only_stub(self, chunks: list[bytes], delay: float) -> Envoy:
+        """The system's pods replaced by one stub answering ``chunks`` ``delay`` apart (``stub``),
+        behind a picker (``random``: the only pod) and an Envoy."""
+        upstream = Served(lambda s, r, w: _upstream(s, r, w, chunks=chunks, delay=delay), lifespan="off")
+        self.system.gateways.append(upstream)
+        self.system.addresses.clear()
+        self.system.extra["stub"] = upstream.address
+        envoy = self.envoy(self.picker(policy="random").address)
+        envoy.wait_for_hosts({upstream.address})
+        return envoy
+
     def close(self) -> None:
         for envoy in self.envoys:
             envoy.stop()
@@ -123,13 +134,7 @@ def test_a_repeated_long_prefix_reaches_the_pod_that_holds_it(front: Front) -> N
 
 def test_streaming_passes_through_chunk_by_chunk(front: Front) -> None:
     chunks = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9"}\n\n', b"data: [DONE]\n\n"]
-    upstream = Served(lambda s, r, w: _upstream(s, r, w, chunks=chunks, delay=0.3), lifespan="off")
-    front.system.gateways.append(upstream)
-    front.system.addresses.clear()
-    front.system.extra["stub"] = upstream.address
-    picker = front.picker(policy="random")
-    envoy = front.envoy(picker.address)
-    envoy.wait_for_hosts({upstream.address})
+    envoy = front.only_stub(chunks, delay=0.3)
     arrived = []
     started = time.monotonic()
     with httpx.stream(
@@ -264,15 +269,8 @@ def test_health_and_metrics(front: Front) -> None:
 
 
 def test_an_answer_counts_on_its_pod_until_envoy_logs_its_end(front: Front) -> None:
-    upstream = Served(
-        lambda s, r, w: _upstream(s, r, w, chunks=[b"data: x\n\n"] * 4, delay=0.3), lifespan="off"
-    )
-    front.system.gateways.append(upstream)
-    front.system.addresses.clear()
-    front.system.extra["stub"] = upstream.address
-    picker = front.picker(policy="random")
-    envoy = front.envoy(picker.address)
-    envoy.wait_for_hosts({upstream.address})
+    envoy = front.only_stub([b"data: x\n\n"] * 4, delay=0.3)
+    picker = front.pickers[-1]
     body = {"model": MODEL, "prompt": "x", "stream": True}
     assert httpx.post(f"{envoy.url}/v1/completions", json=body, timeout=10).status_code == 200
     # Envoy opens its access log with the first entry: from then on an answer's end is logged.

@@ -133,14 +133,7 @@ class Command(BaseCommand):
                 tokenizers=runtime.get_tokenizers,
                 sandbox=runtime.get_sandbox,
             ),
-            RouterSettings(
-                policy=policy or settings.KVCACHE_GATEWAY_POLICY,
-                alpha=settings.KVCACHE_GATEWAY_ALPHA,
-                speculative_seconds=settings.KVCACHE_SPECULATIVE_SECONDS,
-                threads=settings.KVCACHE_SCORING_THREADS,
-                allow_request_templates=settings.KVCACHE_REQUEST_TEMPLATES,
-                pod_api_key=settings.KVCACHE_GATEWAY_POD_API_KEY,
-            ),
+            RouterSettings.from_settings(settings, policy=policy),
             metrics.ROUTING,
         )
         service = PickerService(
