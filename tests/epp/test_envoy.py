@@ -301,6 +301,15 @@ def test_a_sheddable_request_is_shed_when_every_pod_has_a_queue(front: Front) ->
     assert shed.status_code == 429
     assert shed.json()["error"]["code"] == 429
     assert complete(envoy.url, "x").status_code == 200  # a request of default priority is not
+    # Envoy makes every request id itself (the access log's ids end requests' load: no client's may).
+    chosen = httpx.post(
+        f"{envoy.url}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+        headers={"x-request-id": "chosen-by-the-client"},
+        timeout=10,
+    )
+    assert chosen.status_code == 200
+    assert chosen.headers["x-request-id"] != "chosen-by-the-client"  # the simulated pod echoes it
 
 
 def test_a_stream_out_of_order_is_refused_and_counted_and_a_big_body_is_413(front: Front) -> None:
