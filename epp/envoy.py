@@ -19,6 +19,7 @@ import json
 import os
 import string
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -85,10 +86,23 @@ class EndpointsFile:
             return False
         self._version += 1
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        scratch.write_text(json.dumps(load_assignment(self.cluster, wanted, version=self._version)))
-        os.replace(scratch, self.path)
+        fd, scratch = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        with os.fdopen(fd, "w") as out:
+            json.dump(load_assignment(self.cluster, wanted, version=self._version), out)
+        os.replace(scratch, self.path)  # Envoy's directory watch sees a whole file, never a part
         self._written = wanted
+        return True
+
+    def create(self) -> bool:
+        """An empty pool, only when there is no file yet (Envoy needs one to start): never over
+        the picker's, which may have been written a moment before. Whether it did."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as out:
+            json.dump(load_assignment(self.cluster, ()), out)
         return True
 
 
@@ -125,8 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="warn")
     options = parser.parse_args(argv)
     endpoints = options.endpoints_file
-    if not endpoints.exists():  # Envoy needs the file at start; the picker fills it
-        EndpointsFile(endpoints).write([])
+    EndpointsFile(endpoints).create()  # Envoy needs the file at start; the picker fills it
     config = endpoints.with_name(f"envoy-{options.port}.yaml")
     config.write_text(
         render(

@@ -92,8 +92,7 @@ class Envoy:
             from epp.envoy import envoy_binary, render
 
             config = endpoints_file.with_name(f"envoy-{self.port}.yaml")
-            if not endpoints_file.exists():
-                EndpointsFile(endpoints_file).write([])
+            EndpointsFile(endpoints_file).create()
             text = render(
                 port=self.port, epp=epp, endpoints_file=endpoints_file, admin_port=self.admin_port,
                 fail_open=fail_open,
