@@ -1,7 +1,9 @@
 """ASGI entry point (``manage.py serve``, uvicorn): the scoring fast path, Django, Channels.
 
 * HTTP to the scoring endpoints and ``/healthz`` goes to the fast path
-  (``scoring.fastpath.app``), without Django's request cycle (nor its Host header check);
+  (``scoring.fastpath.app``), without Django's request cycle (nor its Host header check), and so
+  do the reads of the KV-indexer API (``/kv-indexer/query``, ``query_by_hash``, ``workers``,
+  ``dump``: ``scoring.fastpath.kv_indexer``; its registry writes are Django's);
 * every other HTTP request goes to Django (admin, registry API, dashboard, docs, metrics, and
   ``/readyz``, which like ``/healthz`` answers whatever the Host: ``kvsite.middleware``);
 * websockets go to Channels: they carry the session (``AuthMiddlewareStack``: consumers check
@@ -30,10 +32,13 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from dashboard import traffic  # noqa: E402
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
 from registry import runtime  # noqa: E402
+from scoring.fastpath.kv_indexer import KVIndexerApp  # noqa: E402
 from scoring.wiring import build_scoring_app  # noqa: E402
 
 scoring_app = build_scoring_app()
+kv_indexer_app = KVIndexerApp(scoring_app)
 FAST_PATHS = frozenset(scoring_app.PATHS)
+KV_INDEXER_PATHS = frozenset(kv_indexer_app.PATHS)
 
 websockets = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
 protocols = ProtocolTypeRouter({"http": django_asgi_app, "websocket": websockets})
@@ -44,6 +49,8 @@ async def application(scope, receive, send):
     kind = scope["type"]
     if kind == "http" and scope["path"] in FAST_PATHS:
         await scoring_app(scope, receive, send)
+    elif kind == "http" and scope["path"] in KV_INDEXER_PATHS:
+        await kv_indexer_app(scope, receive, send)
     elif kind == "lifespan":
         await lifespan(receive, send)
     else:

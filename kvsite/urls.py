@@ -8,6 +8,7 @@ from django.urls import include, path, reverse_lazy
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from kvsite import kv_indexer
 from kvsite.metrics import metrics_view
 
 # The admin's "View site" link: the dashboard (operators' home page; staff only, as the admin).
@@ -27,4 +28,7 @@ urlpatterns = [
         name="api-redoc",
     ),
     path("metrics", metrics_view, name="metrics"),
+    # The KV-indexer API's registry writes (its reads are the fast path's: kvsite.asgi).
+    path("kv-indexer/register", kv_indexer.RegisterView.as_view(), name="kv-indexer-register"),
+    path("kv-indexer/unregister", kv_indexer.UnregisterView.as_view(), name="kv-indexer-unregister"),
 ]

@@ -11,6 +11,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from kvindex.kv_cache_groups import KVCacheGroup, groups_to_json
+from registry.config import DP_RANK_SEPARATOR
 from registry.liveness import HEALTHS, HealthChange, clear_pod_and_ranks
 from registry.models import HashSeed, ModelConfig, Pod
 from registry.runtime import get_index, get_tokenizers, invalidate_service_config
@@ -106,6 +107,79 @@ def save_pod(pod: Pod) -> Pod:
         clear_pod_blocks(pod.pod_id)
     invalidate_service_config()
     return pod
+
+
+class RegistrationConflict(Exception):
+    """A registration the registry cannot take as asked (the KV-indexer API answers it 409)."""
+
+
+def register_event_publisher(
+    *,
+    pod_id: str,
+    model: str,
+    event_endpoint: str,
+    block_size: int,
+    dp_rank: int = 0,
+    replay_endpoint: str | None = None,
+) -> None:
+    """Register the engine of ``pod_id`` as Dynamo's ``/register`` does a worker: where its
+    KV-event PUB binds (``event_endpoint``: ``ingest --replica`` connects there), its model, and
+    the model's block size. A new pod is created; a pod registered otherwise (the admin, a fleet)
+    gets the endpoint, as does one ingest made from its events alone. A model without a config
+    gets one with ``block_size``.
+
+    Raises ``RegistrationConflict`` when the model's block size is another, when the pod already
+    has an event endpoint (Dynamo's "already registered") or serves another model, and for a rank
+    above 0 on an endpoint other than its pod's: our registry keeps one event endpoint per pod, on
+    which the engine's batches name their rank. A rank on its pod's endpoint changes nothing.
+    Raises ``ValidationError`` (field -> what to fix) for a bad pod id, endpoint or block size."""
+    config = ModelConfig.objects.filter(name=model).first()
+    if config is not None and config.block_size != block_size:
+        raise RegistrationConflict(
+            f"block_size mismatch for model={model} routing_group=default: existing={config.block_size}, "
+            f"requested={block_size}"
+        )
+    pod = Pod.objects.filter(pod_id=pod_id).first()
+    if dp_rank:
+        if pod is None or pod.model != model or pod.event_endpoint != event_endpoint:
+            raise RegistrationConflict(
+                f"instance {pod_id} dp_rank {dp_rank}: this registry keeps one KV-event endpoint per "
+                "instance, on which its engine's batches name their data-parallel rank: register dp_rank 0 "
+                "with that endpoint first, then ranks with the same endpoint (or each rank as an instance)"
+            )
+        return
+    if pod is not None and pod.registered:
+        if pod.model != model:
+            raise RegistrationConflict(
+                f"instance {pod_id} is registered for model={pod.model} routing_group=default"
+            )
+        if pod.event_endpoint:
+            raise RegistrationConflict(f"instance {pod_id} dp_rank 0 already registered")
+    pod = pod or Pod(pod_id=pod_id)
+    pod.model = model
+    pod.event_endpoint = event_endpoint
+    if replay_endpoint:
+        pod.replay_endpoint = replay_endpoint
+    with transaction.atomic():
+        if config is None:
+            save_model_config(ModelConfig(name=model, block_size=block_size))
+        save_pod(pod)
+
+
+def unregister_event_publisher(*, pod_id: str, model: str, dp_rank: int | None = None) -> None:
+    """Dynamo's ``/unregister``: the registered pod goes with its blocks (``delete_pod``); with a
+    ``dp_rank`` above 0 only that rank's blocks go (its pod stays: the rank is indexed again when
+    it next stores). Raises ``LookupError`` (Dynamo's 404) when the pod is not registered, or is
+    for another model."""
+    pod = Pod.objects.filter(pod_id=pod_id, registered=True).first()
+    if pod is None:
+        raise LookupError(f"instance {pod_id} not found")
+    if pod.model != model:
+        raise LookupError(f"instance {pod_id} is registered for model={pod.model} routing_group=default")
+    if dp_rank:
+        get_index().clear_pod(pod=f"{pod_id}{DP_RANK_SEPARATOR}{dp_rank}")
+        return
+    delete_pod(pod)
 
 
 def set_pod_health(changes: Iterable[HealthChange]) -> int:

@@ -170,7 +170,7 @@ class ScoringApp:
         request = await self._decode(body, ScoreCompletionsRequest, settings)
         config = await self.handles.config.aget()
         bulk = len(body) > settings.bulk_body_bytes
-        keyed = await self._run(
+        keyed = await self.run(
             bulk,
             read_path.key_prompt,
             tokenizers=self.handles.tokenizers(config),
@@ -180,14 +180,14 @@ class ScoringApp:
             cache_salt=request.cache_salt or None,
             mm_features=request.multimodal_features(),
         )
-        result = await self._look_up(bulk, keyed, config)
+        result = await self.look_up(bulk, keyed, config)
         return _Answer({pod: s.score for pod, s in result.scores.items()}, result)
 
     async def _score_chat_completions(self, body: bytes, settings: FastPathSettings) -> _Answer:
         request = await self._decode(body, ScoreChatCompletionsRequest, settings)
         config = await self.handles.config.aget()
         bulk = _is_bulk(body, request, settings)
-        keyed = await self._run(
+        keyed = await self.run(
             bulk,
             read_path.key_chat,
             tokenizers=self.handles.tokenizers(config),
@@ -199,7 +199,7 @@ class ScoringApp:
             sandbox=self.handles.sandbox(),
             allow_request_templates=settings.allow_request_templates,
         )
-        result = await self._look_up(bulk, keyed, config)
+        result = await self.look_up(bulk, keyed, config)
         body_out = {
             "podScores": {pod: s.score for pod, s in result.scores.items()},
             "templated_messages": result.templated,
@@ -213,11 +213,11 @@ class ScoringApp:
         if self._inline(request, config):
             keyed = self._key(request, config, settings)
         else:
-            keyed = await self._run(bulk, self._key, request, config, settings)
-        result = await self._look_up(bulk, keyed, config)
+            keyed = await self.run(bulk, self._key, request, config, settings)
+        result = await self.look_up(bulk, keyed, config)
         return _Answer(score_body(result, config), result)
 
-    async def _look_up(self, bulk: bool, keyed: KeyedRequest, config: ServiceConfig) -> ScoreResult:
+    async def look_up(self, bulk: bool, keyed: KeyedRequest, config: ServiceConfig) -> ScoreResult:
         """The index's answer for ``keyed``, read on the event loop when that costs no wait: the
         in-process index for a few keys, or an index with its own async reads (a frozen server
         then costs this request its time-out, never the loop); else in the pool."""
@@ -227,7 +227,7 @@ class ScoringApp:
                 return read_path.look_up(index, keyed, config=config)
         elif getattr(index, "reads_async", False):
             return await read_path.alook_up(index, keyed, config=config)
-        return await self._run(bulk, read_path.look_up, index, keyed, config=config)
+        return await self.run(bulk, read_path.look_up, index, keyed, config=config)
 
     def _inline(self, request: ScoreRequest, config: ServiceConfig) -> bool:
         """Token ids short enough to key in well under a millisecond, for a model whose context
@@ -253,7 +253,7 @@ class ScoringApp:
         bulk = len(body) > settings.bulk_body_bytes or any(
             isinstance(r, ScoreRequest) and r.chat_template for r in requests
         )
-        outcomes = await self._run(bulk, self._score_many, requests, config, settings)
+        outcomes = await self.run(bulk, self._score_many, requests, config, settings)
         results = []
         for outcome in outcomes:
             if isinstance(outcome, RequestError):
@@ -268,7 +268,7 @@ class ScoringApp:
         takes ~7 ms to decode and check) in the bulk pool, so it delays no other request."""
         if len(body) <= settings.bulk_body_bytes:
             return decode(body, kind, max_depth=settings.max_json_depth)
-        return await self._run(True, decode, body, kind, max_depth=settings.max_json_depth)
+        return await self.run(True, decode, body, kind, max_depth=settings.max_json_depth)
 
     # --- the core, off the event loop ----------------------------------------------------------------
 
@@ -317,7 +317,7 @@ class ScoringApp:
             return [error if isinstance(o, KeyedRequest) else o for o in outcomes]
         return [next(scored) if isinstance(o, KeyedRequest) else o for o in outcomes]
 
-    async def _run(self, bulk: bool, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run(self, bulk: bool, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         settings = self.handles.settings()
         if bulk:
             if self._bulk is None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from scoring.fastpath.schema import MAX_BATCH, openapi_components
+from scoring.kv_indexer import QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest
 
 _ERRORS = {
     "400": "The body is not valid: `fields` says which field and what to send (also: JSON nested "
@@ -177,6 +180,127 @@ PATHS = {
     ),
 }
 
+_INDEXER_TAG = "KV-indexer API (Dynamo-compatible)"
+_DYNAMO_ERROR = {"type": "object", "properties": {"error": {"type": "string"}}}
+
+
+def _indexer_operation(
+    method: str,
+    summary: str,
+    description: str,
+    request: str | None,
+    ok: str,
+    errors: dict[str, str],
+    staff: bool,
+) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "operationId": "kv_indexer_" + summary.split()[0].lower(),
+        "tags": [_INDEXER_TAG],
+        "summary": summary,
+        "description": description,
+        "responses": {
+            ok.split(" ", 1)[0]: {"description": ok.split(" ", 1)[1]},
+            **{
+                status: {"description": text, "content": {"application/json": {"schema": _DYNAMO_ERROR}}}
+                for status, text in errors.items()
+            },
+        },
+        "security": [{"basicAuth": []}, {"cookieAuth": []}] if staff else [{"apiKey": []}, {}],
+    }
+    if request is not None:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request}"}}},
+        }
+    return {method: operation}
+
+
+_BODY_ERRORS = {
+    "400": "The body is not JSON (or a field's value is refused: the message names it).",
+    "415": "No `Content-Type: application/json`.",
+    "422": "A field is missing or of the wrong type.",
+}
+_STAFF_ERRORS = {"401": "Not logged in: HTTP basic credentials of a staff user.", "403": "Not staff."}
+
+KV_INDEXER_PATHS = {
+    "/kv-indexer/register": _indexer_operation(
+        "post",
+        "Register an engine's KV-event endpoint (staff)",
+        "Dynamo's `/register`: creates the pod `instance_id` (a number is the pod id in decimal) or "
+        "gives a pod registered otherwise its `endpoint` (the registry's `event_endpoint`, where "
+        "`ingest --replica` connects), `model_name` and `replay_endpoint`; a model without a config "
+        "gets one with `block_size`. "
+        "`routing_group`: only `default`; `tenant_id` is ignored, as by Dynamo.",
+        "RegisterRequest",
+        '201 {"status": "ok"}',
+        {
+            **_BODY_ERRORS,
+            **_STAFF_ERRORS,
+            "409": "Already registered, another block size or model, or a "
+            "dp_rank above 0 on another endpoint than its pod's.",
+        },
+        True,
+    ),
+    "/kv-indexer/unregister": _indexer_operation(
+        "post",
+        "Unregister an engine (staff)",
+        "Dynamo's `/unregister`: the pod and its blocks go; with `routing_group` and a `dp_rank` above 0, "
+        "only that rank's blocks.",
+        "UnregisterRequest",
+        '200 {"status": "ok"}',
+        {**_BODY_ERRORS, **_STAFF_ERRORS, "404": "No such registered pod for that model."},
+        True,
+    ),
+    "/kv-indexer/workers": _indexer_operation(
+        "get",
+        "List the registered engines",
+        "Dynamo's `/workers`: every registered pod, in Dynamo's shape; `?model_name=` and `?routing_group=` "
+        "filter.",
+        None,
+        "200 A list of workers.",
+        {"401": "KVCACHE_API_KEYS is set and no valid bearer key was sent."},
+        False,
+    ),
+    "/kv-indexer/query": _indexer_operation(
+        "post",
+        "Matched tokens of token ids per instance and rank",
+        'Dynamo\'s `/query`: `{"scores": {instance: {dp_rank: tokens}}, "frequencies", '
+        '"instances"}`, the matched blocks of our score times the model\'s block size. `cache_salt` '
+        "and `lora_name` key the blocks as vLLM does; `tenant_id` is ignored, as by Dynamo.",
+        "QueryRequest",
+        "200 Matched tokens.",
+        {
+            **_BODY_ERRORS,
+            "401": "No valid bearer key.",
+            "404": "No indexer for the model (no registered pod, no model config) or routing group.",
+            "413": "Larger than KVCACHE_MAX_BODY_BYTES.",
+        },
+        False,
+    ),
+    "/kv-indexer/query_by_hash": _indexer_operation(
+        "post",
+        "Dynamo's block hashes: refused",
+        "Dynamo's block hashes (XXH3-64 of each block's tokens) are not this index's keys (vLLM's "
+        "sha256_cbor chain): answered 400 once the body, `cache_salt` and the model are checked as Dynamo "
+        "checks them. Send token_ids to /kv-indexer/query.",
+        "QueryByHashRequest",
+        "200 Never.",
+        {**_BODY_ERRORS, "401": "No valid bearer key.", "404": "No indexer for the model."},
+        False,
+    ),
+    "/kv-indexer/dump": _indexer_operation(
+        "get",
+        "Block counts per model, instance, rank and tier",
+        'Dynamo\'s `/dump` keys (`"<model>:default"`) and `block_size`; `events` is always empty (this index '
+        "keeps no tree of events) and `blocks` counts the blocks of each instance, rank and tier.",
+        None,
+        "200 Per model.",
+        {"401": "No valid bearer key.", "503": "The index cannot be reached."},
+        False,
+    ),
+}
+
+
 HEALTHZ = {
     "get": {
         "operationId": "healthz",
@@ -216,6 +340,12 @@ def add_fast_path(result: dict[str, Any], generator: Any, request: Any, public: 
         "scheme": "bearer",
         "description": "Required only when KVCACHE_API_KEYS is set: one of its keys.",
     }
+    _, indexer_schemas = msgspec.json.schema_components(
+        [RegisterRequest, UnregisterRequest, QueryRequest, QueryByHashRequest],
+        ref_template="#/components/schemas/{name}",
+    )
+    schemas.update(indexer_schemas)
     result.setdefault("paths", {}).update(PATHS)
+    result["paths"].update(KV_INDEXER_PATHS)
     result["paths"]["/healthz"] = HEALTHZ
     return result
