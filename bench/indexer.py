@@ -259,8 +259,7 @@ class Dynamo(System):
 class Ours(System):
     def __init__(self, endpoints: list[str], processes: int, tmp: Path) -> None:
         self.name = f"ours, Valkey (ingest --processes {processes})"
-        self.valkey = Valkey()
-        self.valkey.start()
+        self.valkey = Valkey()  # started
         self.env = project_env(tmp, self.valkey.url)
         web_port = free_port()
         self.query_url = f"http://127.0.0.1:{web_port}/api/v1/score"
