@@ -113,11 +113,21 @@ def _encode_token(t: int) -> bytes:
     return _uint_head(0, t)
 
 
+_HEAD_U32 = struct.Struct(">BI").pack
+"""The CBOR of a uint32 above the table (``0x1a`` and 4 bytes): ids 65,536 and up, a third or more
+of today's vocabularies (Qwen3's 151,936, Llama 3's 128,256), in one call each instead of
+``_uint_head``'s branches (key chains of such ids in half the time: docs/performance.md)."""
+
+
 def _encode_tokens(tokens: Sequence[int]) -> list[bytes]:
     """The CBOR of each token id, in order. ValueError for an id outside uint64."""
-    table, size = _TOKEN_TABLE, _TOKEN_TABLE_SIZE
+    table, size, u32 = _TOKEN_TABLE, _TOKEN_TABLE_SIZE, _HEAD_U32
     # A negative id would index the table from its end: filter it out and notice below.
-    encoded = [table[t] if t < size else _encode_token(t) for t in tokens if t >= 0]
+    encoded = [
+        table[t] if t < size else u32(0x1A, t) if t < 0x100000000 else _encode_token(t)
+        for t in tokens
+        if t >= 0
+    ]
     if len(encoded) != len(tokens):
         encoded = [_encode_token(t) for t in tokens]
     return encoded
