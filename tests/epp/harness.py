@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from epp.envoy import EndpointsFile
+from epp.envoy import EndpointsFile, envoy_binary, render
 from epp.server import PickerSettings
 from epp.service import PickerService
 from routing.metrics import RoutingMetrics
@@ -89,8 +89,6 @@ class Envoy:
         if fail_open:
             command.append("--fail-open")
         if config_edit is not None:  # render, edit, then run the binary on the edited file
-            from epp.envoy import envoy_binary, render
-
             config = endpoints_file.with_name(f"envoy-{self.port}.yaml")
             EndpointsFile(endpoints_file).create()
             text = render(

@@ -34,8 +34,6 @@ from registry import runtime
 from routing.policies import POLICIES
 from routing.router import Router, RouterHandles, RouterSettings
 
-log = logging.getLogger(__name__)
-
 
 class Command(BaseCommand):
     help = "Serve the Endpoint Picker: Envoy's ext_proc (gRPC) names the pod for each request."
