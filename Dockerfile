@@ -6,6 +6,14 @@ WORKDIR /app
 COPY package.json package-lock.json ./
 RUN npm ci --no-audit --no-fund
 
+# The compiled hot path (kvindex/native), built with the full image's compilers, as `make native` does.
+FROM python:3.11-bookworm AS native
+WORKDIR /app
+COPY requirements.txt .
+RUN pip install --no-cache-dir "$(grep -i '^cython==' requirements.txt)" setuptools
+COPY kvindex/native kvindex/native
+RUN python kvindex/native/build.py
+
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -19,6 +27,7 @@ RUN pip install --no-cache-dir -r requirements.txt
 
 COPY . .
 COPY --from=frontend /app/node_modules ./node_modules
+COPY --from=native /app/kvindex/native/_native.*.so kvindex/native/
 RUN mkdir -p "$KVCACHE_VAR_DIR" \
     && SECRET_KEY=build-only python manage.py collectstatic --noinput -v 0 \
     && useradd --system --home /app kvcache \

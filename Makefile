@@ -34,7 +34,7 @@ EPP_PORT ?= 9002
 EPP_METRICS_PORT ?= 9090
 VLLM_MODEL ?= qwen3-41m-random
 
-.PHONY: help install system-deps node-deps test lint format run bench bench-deps bench-peers freeze clean vllm-engines envoy
+.PHONY: help install native system-deps node-deps test lint format run bench bench-deps bench-peers freeze clean vllm-engines envoy
 
 help:
 	@echo "make run    - the whole stack: Redis-compatible server (if REDIS_URL is unset), web, ingest,"
@@ -60,7 +60,18 @@ $(VENV)/.installed: requirements.txt | $(BIN)/activate
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
 	touch $@
 
-install: $(VENV)/.installed node-deps
+# The compiled hot path (kvindex/native: the key chain and the in-memory index's maps), built in
+# place with Cython and the C++ compiler; rebuilt when its sources change.
+NATIVE_SRC := $(wildcard kvindex/native/*.pyx kvindex/native/*.hpp kvindex/native/*.h) kvindex/native/build.py
+NATIVE_SO := kvindex/native/_native$(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+
+$(NATIVE_SO): $(NATIVE_SRC) $(VENV)/.installed
+	$(PY) kvindex/native/build.py
+	@test -f $@ || { echo "kvindex/native did not build $@"; exit 1; }
+
+native: $(NATIVE_SO)
+
+install: $(VENV)/.installed native node-deps
 
 # Debian packages the stack or the tests need; installed only when missing. Chromium (and a
 # font for it to render text with) drives the dashboard's browser test. promtool checks and
@@ -200,7 +211,7 @@ freeze:
 	$(BIN)/pip freeze | grep -v '^-e' > requirements.txt
 
 clean:
-	rm -rf $(VENV) var staticfiles .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) var staticfiles .pytest_cache .ruff_cache .hypothesis kvindex/native/_native.*.so
 
 # The real-engine venv (var/vllm): vLLM 0.32.0 for CPUs and exactly the pins of
 # engines/vllm-requirements.txt, installed without dependency resolution (about 1 minute and 1.8 GB

@@ -44,13 +44,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
+from itertools import accumulate, repeat
+from operator import eq, itemgetter, or_
 from typing import NamedTuple
 
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from ingest.stats import IngestStats, StreamStats
 from kvindex import KVIndex, StoredBlock
-from kvindex.base import ClearPod, IndexUpdate, Progress, Remove, Store
+from kvindex.base import ClearPod, IndexUpdate, Progress, Remove, Store, Tier, stored_blocks
 from kvindex.keys import (
     DIGEST_SIZE,
     Digest,
@@ -164,6 +166,10 @@ class _Known(NamedTuple):
     digest: Digest
     tiers: frozenset[str]  # the tiers it was stored on since
     comparable: bool  # its chain had no extra keys up to it, or its engine hash equalled its key
+
+
+_new_known = partial(tuple.__new__, _Known)  # _Known(...) without a Python call: one per block
+_first, _second, _third = itemgetter(0), itemgetter(1), itemgetter(2)
 
 
 class _Page(NamedTuple):
@@ -449,30 +455,13 @@ class EventApplier:
             judged = None  # the other groups repeat group 0's engine hashes: judged there
         tier = event.tier
         parents = state.parents
-        fresh: list[StoredBlock] = []
-        repeated: list[StoredBlock] = []
-        aligned = misaligned = 0
-        last_judged: bool | None = None
-        for i, b in enumerate(blocks):
-            h = b.engine_hash
-            known = parents.get(h)
-            if known is not None and known.digest == b.digest:
-                if tier in known.tiers:
-                    repeated.append(b)  # reported again (report mode "full", a resend): refresh only
-                else:
-                    parents[h] = known._replace(tiers=known.tiers | {tier})
-                    fresh.append(b)
-                parents.move_to_end(h)
-                continue
-            matched = b.key == h
-            if judged is not None and (matched or judged[i]):
-                last_judged = matched
-                aligned += matched
-                misaligned += not matched
-            parents[h] = _Known(b.digest, _one_tier(tier), matched or (judged is not None and judged[i]))
-            if known is not None:
-                parents.move_to_end(h)  # a new key is appended last already
-            fresh.append(b)
+        hashes = list(map(_second, blocks))
+        if parents.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
+            # Every block is new to this pod (the usual case): the loop below, in bulk.
+            repeated: list[StoredBlock] = []
+            fresh, aligned, misaligned, last_judged = _remember_new(blocks, hashes, judged, tier, parents)
+        else:
+            repeated, fresh, aligned, misaligned, last_judged = _remember(blocks, judged, tier, parents)
         while len(parents) > PARENT_CACHE_SIZE:
             parents.popitem(last=False)
         stream.aligned_blocks += aligned
@@ -538,10 +527,13 @@ class EventApplier:
             sent if lookahead is None else [keyed_extra(e, t) for e, t in zip(sent, lookahead, strict=True)]
         )
         digests = block_chain(tokens, block_size=block_size, parent=parent, extras=extras)
-        blocks = [StoredBlock(key_of(d), h, d) for d, h in zip(digests, hashes, strict=True)]
+        blocks = stored_blocks(digests, hashes)
+        matched = map(eq, map(_first, blocks), hashes)
+        if sent.count(None) == n:  # no extras: comparable from the first matched block on
+            return blocks, list(accumulate(matched, or_, initial=comparable))[1:]
         judged: list[bool] = []
-        for b, extra in zip(blocks, sent, strict=True):
-            comparable = (comparable and extra is None) or b.key == b.engine_hash
+        for is_key, extra in zip(matched, sent, strict=True):
+            comparable = (comparable and extra is None) or is_key
             judged.append(comparable)
         return blocks, judged
 
@@ -661,6 +653,68 @@ class EventApplier:
             )
             found = [d if d is not None else fallback[h] for h, d in zip(engine_hashes, found, strict=True)]
         return found
+
+
+def _remember(
+    blocks: list[StoredBlock], judged: list[bool] | None, tier: Tier, parents: OrderedDict
+) -> tuple[list[StoredBlock], list[StoredBlock], int, int, bool | None]:
+    """Record ``blocks`` in the pod's recent ``parents``: (blocks stored again on the same
+    tier, blocks to store, aligned and misaligned counts, whether the last judged block was
+    aligned, ``None`` when none was judged)."""
+    tiers = _one_tier(tier)
+    get = parents.get
+    fresh: list[StoredBlock] = []
+    repeated: list[StoredBlock] = []
+    aligned = misaligned = 0
+    last_judged: bool | None = None
+    for i, b in enumerate(blocks):
+        key, h, digest = b
+        known = get(h)
+        if known is not None and known[0] == digest:
+            if tier in known.tiers:
+                repeated.append(b)  # reported again (report mode "full", a resend): refresh only
+            else:
+                parents[h] = known._replace(tiers=known.tiers | tiers)
+                fresh.append(b)
+            parents.move_to_end(h)
+            continue
+        matched = key == h
+        if judged is not None and (matched or judged[i]):
+            last_judged = matched
+            aligned += matched
+            misaligned += not matched
+        parents[h] = _new_known((digest, tiers, matched or (judged is not None and judged[i])))
+        if known is not None:
+            parents.move_to_end(h)  # a new key is appended last already
+        fresh.append(b)
+    return repeated, fresh, aligned, misaligned, last_judged
+
+
+def _remember_new(
+    blocks: list[StoredBlock],
+    hashes: list[int],
+    judged: list[bool] | None,
+    tier: Tier,
+    parents: OrderedDict,
+) -> tuple[list[StoredBlock], int, int, bool | None]:
+    """``_remember`` of blocks none of which ``parents`` holds (distinct engine hashes), with
+    C loops: every block is fresh; a block is comparable when its key is its engine hash or
+    it is judged, and counts as aligned or misaligned only then."""
+    matched = list(map(eq, map(_first, blocks), hashes))
+    aligned = misaligned = 0
+    last_judged: bool | None = None
+    if judged is None:
+        comparable = matched
+    else:
+        comparable = list(map(or_, matched, judged))
+        counted = comparable.count(True)
+        if counted:
+            aligned = matched.count(True)
+            misaligned = counted - aligned
+            last_judged = matched[len(comparable) - 1 - comparable[::-1].index(True)]
+    known = map(_new_known, zip(map(_third, blocks), repeat(_one_tier(tier)), comparable, strict=False))
+    parents.update(zip(hashes, known, strict=True))
+    return blocks, aligned, misaligned, last_judged
 
 
 def _in_group(blocks: list[StoredBlock], group: int) -> list[StoredBlock]:

@@ -10,7 +10,10 @@ box shares: ``ingest`` writes it, ``scoring``, the gateway and the dashboard rea
 * ``epochs``: the markers that tell readers a model's index data is lost or being rebuilt;
 * ``kv_cache_groups``: a hybrid model's KV-cache groups and vLLM's prefix-hit rule over them;
 * ``shared_stats``: the ingest processes' counters and the fleet's history, as the other processes
-  read them from Redis.
+  read them from Redis;
+* ``native``: the compiled hot path (Cython and C++, built by ``make install``): the key chain
+  and the in-memory index's maps, used by ``keys`` and ``memory`` when it is built, the pure-Python
+  versions otherwise (the same tests run against both).
 
 May import: nothing of this project's. No Django, no tokenizers (``make lint``'s contracts).
 """

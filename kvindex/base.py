@@ -33,10 +33,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import pairwise
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
-from kvindex.keys import BlockKey, Digest
+from kvindex.keys import BlockKey, Digest, keys_of
 
 Tier = str
 """A storage tier, lower case: "gpu" (vLLM's default medium), "cpu", "fs", ..."""
@@ -45,18 +46,27 @@ HolderMap = dict[str, frozenset[Tier]]
 """The holders of one block key: pod -> the tiers it holds the block on."""
 
 
-@dataclass(frozen=True, slots=True)
-class StoredBlock:
+class StoredBlock(NamedTuple):
     """One block a pod reported as stored.
 
     ``digest`` is the full 32-byte chain digest when we computed it from token ids, or the 8-byte
     big-endian key itself when the block was adopted by engine hash (no chain can continue from
-    it). ``key`` is always ``key_of(digest)``.
+    it). ``key`` is always ``key_of(digest)``. A tuple, so that ingest makes one per block cheaply
+    (:func:`stored_blocks`).
     """
 
     key: BlockKey
     engine_hash: int
     digest: Digest
+
+
+_new_stored_block = partial(tuple.__new__, StoredBlock)
+
+
+def stored_blocks(digests: Sequence[Digest], engine_hashes: Sequence[int]) -> list[StoredBlock]:
+    """``StoredBlock(key_of(d), h, d)`` for each digest and engine hash, in bulk: the keys in one
+    unpacking, the tuples without a Python call each (ingest makes one per block it applies)."""
+    return list(map(_new_stored_block, zip(keys_of(digests), engine_hashes, digests, strict=True)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Block keys: vLLM's ``sha256_cbor`` prefix-cache hash chain, in pure Python.
+"""Block keys: vLLM's ``sha256_cbor`` prefix-cache hash chain (compiled in ``kvindex.native`` when
+it is built, in pure Python otherwise: the same digests).
 
 Vocabulary used across the project:
 
@@ -29,9 +30,10 @@ vLLM >= 0.33 hashes the extras *tagged* (``("lora", name, path)``, ``("mm", id, 
 hash them as sent. Either way a block's key depends only on its tokens and its extras as sent, and
 the read path computes the same key from the same request.
 
-Prompts repeat long prefixes (a system prompt, earlier turns), so the read path keys them through
-a :class:`ChainMemo`: a bounded LRU of chain steps that turns the shared blocks into one dictionary
-look-up each instead of an encoding and a SHA-256.
+Prompts repeat long prefixes (a system prompt, earlier turns), so without the compiled chain the
+read path keys them through a :class:`ChainMemo`: a bounded LRU of chain steps that turns the shared
+blocks into one dictionary look-up each instead of an encoding and a SHA-256 (the compiled chain
+hashes a block faster than that look-up: :func:`memo_pays`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import cbor2
+
+from kvindex.native import module as _native
 
 BlockKey = int
 Digest = bytes
@@ -185,8 +189,24 @@ def chain_digests(
     calling :func:`block_digest` block after block.
 
     ``extra`` is applied to every block (vLLM puts the LoRA name in each block's extra keys).
-    A trailing partial block is dropped, as vLLM never hashes one.
+    A trailing partial block is dropped, as vLLM never hashes one. Computed by the compiled chain
+    (``kvindex.native``) when it is built, else by :func:`chain_digests_python`: the same digests,
+    ``ValueError`` for a token id outside uint64 and ``TypeError`` for one that is not an int.
     """
+    if _native is not None:
+        return _native.chain_digests(tokens, block_size, parent, _encode_extra(extra))
+    return chain_digests_python(tokens, block_size=block_size, parent=parent, extra=extra)
+
+
+def chain_digests_python(
+    tokens: Sequence[int],
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    parent: Digest,
+    extra: ExtraKeys = None,
+) -> list[Digest]:
+    """:func:`chain_digests` in pure Python (the fallback, and what the tests hold the compiled
+    chain to)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     n = len(tokens) // block_size * block_size
@@ -211,6 +231,13 @@ about 22 MiB (~350 bytes a step at block size 16, 8 more per token of a larger b
 
 _TOKEN_WORD = "Q"  # a token id as the memo stores it: unsigned 64-bit, the range vLLM hashes
 assert array(_TOKEN_WORD).itemsize == 8
+
+
+def memo_pays() -> bool:
+    """Whether a :class:`ChainMemo` keys a repeated prefix faster than the chain hashes it: only
+    for the pure-Python chain (the compiled one hashes a block in ~0.3 us, a memo look-up costs
+    more; docs/performance.md)."""
+    return _native is None
 
 
 class ChainMemo:
@@ -348,7 +375,14 @@ def block_keys(
                 for i, extra in enumerate(extras)
             ]
         digests = block_chain(tokens, block_size=block_size, parent=start, extras=extras, memo=memo)
-    return list(struct.unpack(">" + _KEY_OF_DIGEST * len(digests), b"".join(digests)))
+    return keys_of(digests)
+
+
+def keys_of(digests: Sequence[Digest]) -> list[BlockKey]:
+    """:func:`key_of` of each digest, in one unpacking when all are 32 bytes long."""
+    if set(map(len, digests)) == {DIGEST_SIZE}:
+        return list(struct.unpack(">" + _KEY_OF_DIGEST * len(digests), b"".join(digests)))
+    return [key_of(d) for d in digests]
 
 
 def extra_keys(*, lora_name: str | None = None) -> ExtraKeys:
@@ -482,6 +516,8 @@ def block_chain(
     if len(tokens) < n * block_size:
         raise ValueError(f"{len(tokens)} tokens do not fill {n} blocks of {block_size}")
     chain = chain_digests if memo is None else memo.chain_digests
+    if n and extras[0] is None and extras.count(None) == n:  # no extras (the usual case): one run
+        return chain(tokens[: n * block_size], block_size=block_size, parent=parent)
     out: list[Digest] = []
     prev = parent
     i = 0

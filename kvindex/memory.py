@@ -1,5 +1,12 @@
 """In-process index: bounded, LRU-evicting, consistent across its three maps.
 
+``MemoryIndex`` keeps the lock, the slices, the progress, epochs and speculation; the maps live in
+a core: the compiled ``kvindex.native`` ``Core`` (C++, ``kvindex/native/core.hpp``: names interned,
+flat hash tables, ~200 bytes per entry) when it is built, else ``PyCore`` below, with the same
+calls, answers and invariants (``tests/kvindex/test_native.py`` holds them to each other). The
+cost model's constants differ (``Core.entry_bytes``); the rest of this docstring describes
+``PyCore``.
+
 State, all guarded by one lock:
 
 * ``_blocks``: ``(model, block key) -> _Block`` in least-recently-used order (a store or a
@@ -69,6 +76,8 @@ from kvindex.base import (
     speculation_points,
 )
 from kvindex.keys import BlockKey, Digest, key_of
+from kvindex.native import module as _native
+from kvindex.native import reason as native_reason
 
 DEFAULT_MAX_KEYS = 10_000_000
 DEFAULT_POD_CACHE_SIZE = 128
@@ -190,6 +199,7 @@ class MemoryIndex:
         pod_cache_size: int = DEFAULT_POD_CACHE_SIZE,
         max_bytes: int | None = None,
         slice_blocks: int = DEFAULT_SLICE_BLOCKS,
+        native: bool | None = None,
     ) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be at least 1")
@@ -204,9 +214,13 @@ class MemoryIndex:
         self.max_bytes = max_bytes
         self.slice_blocks = slice_blocks
         self._lock = threading.Lock()
-        self._blocks: OrderedDict[tuple[str, BlockKey], _Block] = OrderedDict()
-        self._pods: dict[str, dict[str, _PodState]] = {}
-        self._bytes = 0
+        if native is None:
+            native = _native is not None
+        elif native and _native is None:
+            raise RuntimeError(f"the compiled index is not available: {native_reason}")
+        make = _native.Core if native else PyCore
+        self._core: PyCore = make(max_keys, pod_cache_size, max_bytes)
+        self.native = native
         self._progress: dict[tuple[str, str], int] = {}
         self._epochs: dict[str, str] = {}
         # (model, key) -> pod -> expiry (monotonic), under a lock of its own: routers' guesses
@@ -216,13 +230,13 @@ class MemoryIndex:
 
     def __len__(self) -> int:
         """The number of ``(model, block key)`` entries (never more than ``max_keys``)."""
-        return len(self._blocks)
+        return len(self._core)
 
     @property
     def estimated_bytes(self) -> int:
         """The cost model (module docstring) summed over every entry; never more than
         ``max_bytes`` after a write returns."""
-        return self._bytes
+        return self._core.bytes
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -243,14 +257,14 @@ class MemoryIndex:
     def clear_pod(self, *, pod: str, model: str | None = None) -> int:
         """Remove every entry of ``pod``; returns the number of ``(key, tier)`` entries."""
         with self._lock:
-            models = list(self._pods) if model is None else [model]
+            models = self._core.models_held() if model is None else [model]
         return sum(self._apply([ClearPod(m, pod) for m in models]))
 
     def clear_pod_slice(self, *, pod: str, model: str, limit: int) -> tuple[int, bool]:
         if limit < 1:
             raise ValueError("limit must be >= 1")
         with self._lock:
-            return self._clear_pod_slice(model, pod, limit)
+            return self._core.clear_pod_slice(model, pod, limit)
 
     def apply_updates(self, updates: Sequence[IndexUpdate]) -> list[int]:
         """Apply ``updates`` in order (see ``KVIndex``), under as few holds of the lock as the
@@ -266,7 +280,7 @@ class MemoryIndex:
         """Remove everything under ``model``, pod by pod, in slices; returns the number of
         ``(key, pod, tier)`` entries."""
         with self._lock:
-            pods = list(self._pods.get(model, ()))
+            pods = self._core.pods_of(model)
         return sum(self._apply([ClearPod(model, pod) for pod in pods]))
 
     def set_epoch(self, *, model: str, value: str, if_absent: bool = False) -> bool:
@@ -280,55 +294,23 @@ class MemoryIndex:
 
     def resolve(self, *, model: str, pod: str, engine_hashes: Sequence[int]) -> list[Digest | None]:
         with self._lock:
-            state = self._pods.get(model, {}).get(pod)
-            if state is None:
-                return [None] * len(engine_hashes)
-            get = state.engine.get
-            return [get(h) for h in engine_hashes]
+            return self._core.resolve(model, pod, engine_hashes)
 
     def lookup(
         self, *, model: str, keys: Sequence[BlockKey], pods: Collection[str] | None = None
     ) -> list[HolderMap]:
         """Holders of the longest held run of ``keys``; every key returned becomes most recent."""
         wanted = pods if pods is None or isinstance(pods, (set, frozenset)) else frozenset(pods)
-        out: list[HolderMap] = []
         with self._lock:
-            get = self._blocks.get
-            touch = self._blocks.move_to_end
-            for key in keys:
-                ident = (model, key)
-                block = get(ident)
-                if block is None:
-                    break
-                view = block.holder_map()
-                if wanted is None:
-                    holders = dict(view)
-                else:
-                    holders = {pod: tiers for pod, tiers in view.items() if pod in wanted}
-                    if not holders:
-                        break
-                touch(ident)
-                out.append(holders)
-        return out
+            return self._core.lookup(model, keys, wanted)
 
     def lookup_many(self, *, model: str, queries: Sequence[LookupQuery]) -> list[list[HolderMap]]:
         return [self.lookup(model=model, keys=keys, pods=pods) for keys, pods in queries]
 
     def holders(self, *, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
         """Holders of every key (``{}`` where none); every key held becomes most recent."""
-        out: list[HolderMap] = []
         with self._lock:
-            get = self._blocks.get
-            touch = self._blocks.move_to_end
-            for key in keys:
-                ident = (model, key)
-                block = get(ident)
-                if block is None:
-                    out.append({})
-                    continue
-                touch(ident)
-                out.append(dict(block.holder_map()))
-        return out
+            return self._core.holders(model, keys)
 
     def speculate(self, *, model: str, pod: str, keys: Sequence[BlockKey], seconds: float) -> None:
         now = time.monotonic()
@@ -369,11 +351,11 @@ class MemoryIndex:
 
     def pod_blocks(self, *, model: str | None = None) -> list[PodBlocks]:
         with self._lock:
-            models = sorted(self._pods) if model is None else [model]
+            models = sorted(self._core.models_held()) if model is None else [model]
             return [
-                PodBlocks(model=m, pod=pod, blocks_by_tier={t: len(k) for t, k in state.tiers.items()})
+                PodBlocks(model=m, pod=pod, blocks_by_tier=counts)
                 for m in models
-                for pod, state in sorted(self._pods.get(m, {}).items())
+                for pod, counts in sorted(self._core.pod_blocks(m))
             ]
 
     def ping(self) -> None:
@@ -382,9 +364,7 @@ class MemoryIndex:
     def close(self) -> None:
         """Drop everything."""
         with self._lock:
-            self._blocks.clear()
-            self._pods.clear()
-            self._bytes = 0
+            self._core.close()
             self._progress.clear()
             self._epochs.clear()
 
@@ -407,7 +387,7 @@ class MemoryIndex:
                     while not done:
                         if held >= budget:
                             held = self._let_readers_in()
-                        removed, done = self._clear_pod_slice(update.model, update.pod, budget - held)
+                        removed, done = self._core.clear_pod_slice(update.model, update.pod, budget - held)
                         counts[i] += removed
                         held += removed
                 elif isinstance(update, Store):
@@ -415,14 +395,14 @@ class MemoryIndex:
                         if held and held + len(part) > budget:
                             held = self._let_readers_in()
                         if part:
-                            self._store(update.model, update.pod, update.tier, part)
+                            self._core.store(update.model, update.pod, update.tier, part)
                         counts[i] += len(part)
                         held += len(part)
                 else:
                     for part in slices(update.engine_hashes, budget):
                         if held and held + len(part) > budget:
                             held = self._let_readers_in()
-                        counts[i] += self._remove(update.model, update.pod, update.tier, part)
+                        counts[i] += self._core.remove(update.model, update.pod, update.tier, part)
                         held += len(part)
         finally:
             self._lock.release()
@@ -437,7 +417,130 @@ class MemoryIndex:
         self._lock.acquire()
         return 0
 
-    def _clear_pod_slice(self, model: str, pod: str, limit: int) -> tuple[int, bool]:
+
+class PyCore:
+    """The index's maps in pure Python (module docstring): what the compiled ``kvindex.native``
+    ``Core`` keeps in C++, with the same calls and answers, used when it is not built (or with
+    ``MemoryIndex(native=False)``). Not thread-safe: ``MemoryIndex`` calls it under its lock."""
+
+    def __init__(self, max_keys: int, pod_cache_size: int, max_bytes: int | None) -> None:
+        self.max_keys = max_keys
+        self.pod_cache_size = pod_cache_size
+        self.max_bytes = max_bytes
+        self._blocks: OrderedDict[tuple[str, BlockKey], _Block] = OrderedDict()
+        self._pods: dict[str, dict[str, _PodState]] = {}
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    @staticmethod
+    def entry_bytes(*, model: str, pod: str, tier: Tier, digest_size: int) -> int:
+        """What one key held by one ``(pod, tier)`` with one engine hash costs."""
+        return (
+            KEY_ENTRY_BYTES
+            + len(model)
+            + HOLDER_ENTRY_BYTES
+            + len(pod)
+            + len(tier)
+            + ENGINE_ENTRY_BYTES
+            + digest_size
+        )
+
+    def close(self) -> None:
+        self._blocks.clear()
+        self._pods.clear()
+        self._bytes = 0
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def resolve(self, model: str, pod: str, engine_hashes: Sequence[int]) -> list[Digest | None]:
+        state = self._pods.get(model, {}).get(pod)
+        if state is None:
+            return [None] * len(engine_hashes)
+        get = state.engine.get
+        return [get(h) for h in engine_hashes]
+
+    def lookup(self, model: str, keys: Sequence[BlockKey], wanted: Collection[str] | None) -> list[HolderMap]:
+        out: list[HolderMap] = []
+        get = self._blocks.get
+        touch = self._blocks.move_to_end
+        for key in keys:
+            ident = (model, key)
+            block = get(ident)
+            if block is None:
+                break
+            view = block.holder_map()
+            if wanted is None:
+                holders = dict(view)
+            else:
+                holders = {pod: tiers for pod, tiers in view.items() if pod in wanted}
+                if not holders:
+                    break
+            touch(ident)
+            out.append(holders)
+        return out
+
+    def holders(self, model: str, keys: Sequence[BlockKey]) -> list[HolderMap]:
+        out: list[HolderMap] = []
+        get = self._blocks.get
+        touch = self._blocks.move_to_end
+        for key in keys:
+            ident = (model, key)
+            block = get(ident)
+            if block is None:
+                out.append({})
+                continue
+            touch(ident)
+            out.append(dict(block.holder_map()))
+        return out
+
+    def models_held(self) -> list[str]:
+        return list(self._pods)
+
+    def pods_of(self, model: str) -> list[str]:
+        return list(self._pods.get(model, ()))
+
+    def pod_blocks(self, model: str) -> list[tuple[str, dict[Tier, int]]]:
+        return [
+            (pod, {t: len(k) for t, k in state.tiers.items()})
+            for pod, state in self._pods.get(model, {}).items()
+        ]
+
+    def recount_bytes(self) -> int:
+        """The cost model summed from scratch over every map (the tests check ``bytes``)."""
+        total = 0
+        for (model, _), block in self._blocks.items():
+            total += KEY_ENTRY_BYTES + len(model)
+            total += sum(HOLDER_ENTRY_BYTES + len(pod) + len(tier) for pod, tier in block.holders)
+        for pods in self._pods.values():
+            for state in pods.values():
+                total += sum(ENGINE_ENTRY_BYTES + len(digest) for digest in state.engine.values())
+        return total
+
+    def state(self) -> dict:
+        """Every map as plain data, in the shape of the compiled ``Core.state`` (for the tests'
+        invariant checks)."""
+        return {
+            "blocks": {ident: list(block.holders) for ident, block in self._blocks.items()},
+            "pods": {
+                (model, pod): {
+                    "tiers": {t: set(keys) for t, keys in state.tiers.items()},
+                    "links": {h: k for k, hs in state.hashes_of.items() for h in hs},
+                    "engine": {h: key_of(d) for h, d in state.engine.items()},
+                }
+                for model, pods in self._pods.items()
+                for pod, state in pods.items()
+            },
+        }
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def clear_pod_slice(self, model: str, pod: str, limit: int) -> tuple[int, bool]:
         """At most ``limit`` (>= 1) entries of ``clear_pod`` under one model: how many went, and
         whether the pod is gone. Requires the lock."""
         pods = self._pods.get(model)
@@ -456,10 +559,8 @@ class MemoryIndex:
                 break
         return removed, False
 
-    # -- the writes, with the lock held ----------------------------------------------------------
-
-    def _store(self, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> None:
-        """``store`` of a non-empty ``blocks``; requires the lock."""
+    def store(self, model: str, pod: str, tier: Tier, blocks: Sequence[StoredBlock]) -> None:
+        """``store`` of a non-empty ``blocks``;"""
         entry = (pod, tier)
         state = self._pods.setdefault(model, {}).get(pod)
         if state is None:
@@ -508,8 +609,8 @@ class MemoryIndex:
             for old_pod, old_tier in list(block.holders):
                 self._drop_entry(old_model, old_key, block, old_pod, old_tier)
 
-    def _remove(self, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
-        """``remove``; requires the lock."""
+    def remove(self, model: str, pod: str, tier: Tier, engine_hashes: Sequence[int]) -> int:
+        """``remove``;"""
         removed = 0
         entry = (pod, tier)
         pods = self._pods.get(model)
@@ -528,7 +629,7 @@ class MemoryIndex:
         return removed
 
     def _clear_pod(self, model: str, pod: str) -> int:
-        """``clear_pod`` under one model; requires the lock."""
+        """``clear_pod`` under one model;"""
         pods = self._pods.get(model)
         state = pods.pop(pod, None) if pods else None
         if state is None:

@@ -33,7 +33,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvindex import HolderMap, KVIndex
+from kvindex import HolderMap, KVIndex, keys
 from kvindex.keys import BlockKey, ChainMemo, MultimodalFeature, block_keys
 from kvindex.kv_cache_groups import group_keys, hybrid_run, other_groups
 from registry.config import ModelSettings, ServiceConfig, owner_pod
@@ -57,7 +57,17 @@ __all__ = [
 
 BLOCK_KEY_MEMO = ChainMemo()
 """The chain steps of the keys this process computed for requests (scoring endpoints, gateway),
-shared by all of them: ``kvindex.keys.DEFAULT_CHAIN_MEMO_STEPS`` steps at most (~22 MiB)."""
+shared by all of them: ``kvindex.keys.DEFAULT_CHAIN_MEMO_STEPS`` steps at most (~22 MiB). Used
+only while the key chain is pure Python: the compiled chain hashes a block faster than the memo
+looks one up (docs/performance.md)."""
+
+
+def default_memo() -> ChainMemo | None:
+    """The memo requests are keyed through: ``BLOCK_KEY_MEMO`` where it pays, else none."""
+    return BLOCK_KEY_MEMO if keys.memo_pays() else None
+
+
+_DEFAULT_MEMO = object()
 
 
 class InvalidInput(ValueError):
@@ -164,12 +174,13 @@ def key_token_ids(
     pods: Collection[str] | None = None,
     timings: Timings | None = None,
     max_tokens: int | None = None,
-    memo: ChainMemo | None = BLOCK_KEY_MEMO,
+    memo: ChainMemo | object | None = _DEFAULT_MEMO,
 ) -> KeyedRequest:
     """Steps 3 and the pod filter: keys computed with ``config.seed``, the model's block size and
     lookahead (``hash_lookahead_tokens``), ``lora_name``, ``cache_salt`` and ``mm_features``
     (positions in ``token_ids``) exactly as a ``sha256_cbor`` engine's events key the request's
-    blocks (through ``memo``: the same keys; ``None`` hashes every block).
+    blocks (through ``memo``: the same keys; ``None`` hashes every block; by default
+    :func:`default_memo`).
 
     Raises ``InvalidInput`` for a token id outside 0..2**64-1, more token ids than the model's
     context length (``max_tokens``, else the model config's ``max_model_len``), or a multimodal
@@ -196,7 +207,7 @@ def key_token_ids(
             cache_salt=cache_salt,
             mm_features=mm_features,
             lookahead_tokens=settings.hash_lookahead_tokens,
-            memo=memo,
+            memo=default_memo() if memo is _DEFAULT_MEMO else memo,
         )
     except ValueError as error:
         field = _unencodable(lora_name=lora_name, cache_salt=cache_salt, mm_features=mm_features)

@@ -53,3 +53,21 @@ def base_capture() -> dict:
 def lora_capture() -> dict:
     """The same prompt through LoRA adapter "Alice": 25 different block hashes."""
     return load_capture("lora")
+
+
+@pytest.fixture(params=["native", "python"])
+def both_cores(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: with the compiled hot path (``kvindex.native``: the key chain and the
+    in-memory index's maps) and with the pure-Python fallback. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("both_cores")``. The compiled one must be built (``make
+    install``): the suite fails rather than skip it, so a machine where it does not build says so."""
+    import kvindex.keys
+    import kvindex.memory
+    from kvindex import native
+
+    if request.param == "native":
+        assert native.module is not None, f"the compiled hot path did not load: {native.reason}"
+    else:
+        monkeypatch.setattr(kvindex.keys, "_native", None)
+        monkeypatch.setattr(kvindex.memory, "_native", None)
+    return request.param

@@ -10,7 +10,6 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
 import redis
@@ -164,7 +163,7 @@ def test_keys_follow_the_documented_layout(index: RedisClusterIndex, cluster: Va
     assert pod.get(f"kv.3:{{{m}@{p}}}:seq") == b"3"
     assert server_for(cluster, f"{{{m}}}").smembers(f"kv.3:{{{m}}}:pods") == {p.encode()}
 
-    index.store(model="Qwen/Qwen3-0.6B", pod="10.0.0.1:8000", tier="gpu", blocks=[replace(a, engine_hash=7)])
+    index.store(model="Qwen/Qwen3-0.6B", pod="10.0.0.1:8000", tier="gpu", blocks=[a._replace(engine_hash=7)])
     word = a.key.to_bytes(8, "big")
     assert pod.hgetall(f"kv.3:{{{m}@{p}}}:e") == {(7).to_bytes(8, "big"): word}
     assert pod.hgetall(f"kv.3:{{{m}@{p}}}:k") == {word: word + (7).to_bytes(8, "big")}

@@ -11,62 +11,50 @@ import pytest
 
 from kvindex import MemoryIndex, PodBlocks, open_index
 from kvindex.base import ClearPod, Progress, Remove, Store, StoredBlock
-from kvindex.keys import key_of
 from kvindex.memory import (
     DEFAULT_MAX_KEYS,
     DEFAULT_POD_CACHE_SIZE,
     DEFAULT_SLICE_BLOCKS,
-    ENGINE_ENTRY_BYTES,
-    HOLDER_ENTRY_BYTES,
-    KEY_ENTRY_BYTES,
     parse_size,
 )
 from tests.kvindex import MODEL, chain, hashes, keys
+
+pytestmark = pytest.mark.usefixtures("both_cores")
 
 A, B, C = chain(3)
 GPU = frozenset({"gpu"})
 
 
 def assert_consistent(index: MemoryIndex) -> None:
-    """The invariants stated in ``kvindex.memory``, checked on its private state."""
-    entries = {(m, k, p, t) for (m, k), block in index._blocks.items() for p, t in block.holders}
+    """The invariants stated in ``kvindex.memory``, checked on a dump of its maps (``state``: the
+    same shape from the Python and the compiled core)."""
+    state = index._core.state()
+    entries = {(m, k, p, t) for (m, k), holders in state["blocks"].items() for p, t in holders}
     reverse = {
-        (m, k, p, t)
-        for m, pods in index._pods.items()
-        for p, state in pods.items()
-        for t, ks in state.tiers.items()
-        for k in ks
+        (m, k, p, t) for (m, p), pod in state["pods"].items() for t, ks in pod["tiers"].items() for k in ks
     }
     assert entries == reverse
-    assert len(index._blocks) <= index.max_keys
-    for block in index._blocks.values():
-        assert 0 < len(block.holders) <= index.pod_cache_size
-    for pods in index._pods.values():
-        assert pods
-        for state in pods.values():
-            assert state.tiers and all(state.tiers.values())
-            linked = {h: k for k, hs in state.hashes_of.items() for h in hs}
-            assert linked == {h: key_of(d) for h, d in state.engine.items()}
-            assert all(state.holds(k) for k in state.hashes_of)
-    assert index.estimated_bytes == recounted_bytes(index)
+    assert len(state["blocks"]) == len(index) <= index.max_keys
+    for holders in state["blocks"].values():
+        assert 0 < len(holders) <= index.pod_cache_size
+        assert len(set(holders)) == len(holders)
+    for pod in state["pods"].values():
+        assert pod["tiers"] and all(pod["tiers"].values())
+        assert pod["links"] == pod["engine"]
+        held = set().union(*pod["tiers"].values())
+        assert set(pod["links"].values()) <= held
+    assert index.estimated_bytes == index._core.recount_bytes()
     assert index.max_bytes is None or index.estimated_bytes <= index.max_bytes
 
 
 def recounted_bytes(index: MemoryIndex) -> int:
-    """The cost model of ``kvindex.memory``, summed from scratch over the private state."""
-    total = 0
-    for (model, _), block in index._blocks.items():
-        total += KEY_ENTRY_BYTES + len(model)
-        total += sum(HOLDER_ENTRY_BYTES + len(pod) + len(tier) for pod, tier in block.holders)
-    for pods in index._pods.values():
-        for state in pods.values():
-            total += sum(ENGINE_ENTRY_BYTES + len(digest) for digest in state.engine.values())
-    return total
+    """The cost model, summed from scratch over the maps."""
+    return index._core.recount_bytes()
 
 
 def one_block_bytes(*, model: str = MODEL, pod: str = "pod1", tier: str = "gpu") -> int:
     """What one key held by one ``(pod, tier)`` with one 32-byte-digest engine hash costs."""
-    return KEY_ENTRY_BYTES + len(model) + HOLDER_ENTRY_BYTES + len(pod) + len(tier) + ENGINE_ENTRY_BYTES + 32
+    return MemoryIndex()._core.entry_bytes(model=model, pod=pod, tier=tier, digest_size=32)
 
 
 def test_defaults_match_the_documented_bounds() -> None:
@@ -435,10 +423,10 @@ def test_the_byte_budget_keeps_every_map_consistent_under_random_workloads() -> 
         if action < 0.55:
             start = rng.randrange(20)
             batch = rng.choice([blocks[start : start + 6], adopted[start % 8 :]])
-            before = set(index._blocks)
+            before = set(index._core.state()["blocks"])
             index.store(model=rng.choice(["m1", "m2"]), pod=pod, tier=tier, blocks=batch)
             # A store drops a key only to fit the budget (the pod bound drops holders, not keys).
-            evicted = evicted or not before <= set(index._blocks)
+            evicted = evicted or not before <= set(index._core.state()["blocks"])
         elif action < 0.85:
             index.remove(model="m1", pod=pod, tier=tier, engine_hashes=hashes(rng.sample(blocks, 5)))
         elif action < 0.95:
