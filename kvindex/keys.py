@@ -233,6 +233,18 @@ _TOKEN_WORD = "Q"  # a token id as the memo stores it: unsigned 64-bit, the rang
 assert array(_TOKEN_WORD).itemsize == 8
 
 
+def first_invalid_token(tokens: Sequence[object]) -> int | None:
+    """The index of the first of ``tokens`` that is not an int in 0..2**64-1 (a token id vLLM
+    hashes), or ``None``."""
+    if _native is not None:
+        found = _native.first_invalid_token(tokens)
+        return None if found < 0 else found
+    for i, t in enumerate(tokens):
+        if not isinstance(t, int) or not 0 <= t <= _U64:
+            return i
+    return None
+
+
 def memo_pays() -> bool:
     """Whether a :class:`ChainMemo` keys a repeated prefix faster than the chain hashes it: only
     for the pure-Python chain (the compiled one hashes a block in ~0.3 us, a memo look-up costs
@@ -358,7 +370,10 @@ def block_keys(
     start = parent if parent is not None else root_digest(seed)
     chain = chain_digests if memo is None else memo.chain_digests
     if not cache_salt and not mm_features and not lookahead_tokens:
-        digests = chain(tokens, block_size=block_size, parent=start, extra=extra_keys(lora_name=lora_name))
+        extra = extra_keys(lora_name=lora_name)
+        if memo is None and _native is not None:
+            return _native.chain_keys(tokens, block_size, start, _encode_extra(extra))
+        digests = chain(tokens, block_size=block_size, parent=start, extra=extra)
     else:
         n = max(0, (len(tokens) - max(lookahead_tokens, 0)) // block_size)
         extras = block_extra_keys(

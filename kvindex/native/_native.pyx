@@ -17,7 +17,7 @@ from cpython.long cimport PyLong_Check
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.sequence cimport PySequence_Fast, PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from libcpp cimport bool as cbool
 from libcpp.unordered_map cimport unordered_map
 from libcpp.utility cimport pair
@@ -172,10 +172,37 @@ cdef inline uint64_t _token(object t) except? 0xFFFFFFFFFFFFFFFF:
     return value
 
 
+def first_invalid_token(tokens):
+    """The index of the first item of ``tokens`` that is not an int in 0..2**64-1, else -1."""
+    cdef object seq = PySequence_Fast(tokens, "tokens must be a sequence")
+    cdef Py_ssize_t i
+    cdef uint64_t value
+    for i in range(PySequence_Fast_GET_SIZE(seq)):
+        if not kv_small_int(<object>PySequence_Fast_GET_ITEM(seq, i), &value) and not _u64(
+            <object>PySequence_Fast_GET_ITEM(seq, i), &value
+        ):
+            return i
+    return -1
+
+
+def chain_keys(tokens, Py_ssize_t block_size, bytes parent, bytes tail):
+    """The block keys (last 8 bytes of each digest, big-endian) of ``chain_digests``: no digest
+    object made."""
+    cdef list out = []
+    _chain(tokens, block_size, parent, tail, out, True)
+    return out
+
+
 def chain_digests(tokens, Py_ssize_t block_size, bytes parent, bytes tail):
     """Digests of every full block of ``tokens``, chained from ``parent``, each block's CBOR
     ``[parent, tokens, extra]`` ending with ``tail`` (the extra keys' CBOR): what
     ``kvindex.keys.chain_digests`` returns, and raises, for the same input."""
+    cdef list out = []
+    _chain(tokens, block_size, parent, tail, out, False)
+    return out
+
+
+cdef int _chain(tokens, Py_ssize_t block_size, bytes parent, bytes tail, list out, bint keys) except -1:
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     cdef object seq = PySequence_Fast(tokens, "tokens must be a sequence of ints")
@@ -191,7 +218,8 @@ def chain_digests(tokens, Py_ssize_t block_size, bytes parent, bytes tail):
     buf.resize(20 + max(parent_len, 32) + 9 * block_size + tail_len)
     cdef uint8_t *p = buf.data()
     cdef uint8_t digest[32]
-    cdef list out = []
+    cdef uint64_t key
+    cdef int k
     cdef const uint8_t *prev = <const uint8_t *>PyBytes_AS_STRING(parent)
     cdef Py_ssize_t prev_len = parent_len
     for b in range(blocks):
@@ -206,10 +234,16 @@ def chain_digests(tokens, Py_ssize_t block_size, bytes parent, bytes tail):
         memcpy(p + pos, PyBytes_AS_STRING(tail), tail_len)
         pos += tail_len
         kv_sha256(p, pos, digest)
-        out.append(PyBytes_FromStringAndSize(<char *>digest, 32))
+        if keys:
+            key = 0
+            for k in range(24, 32):
+                key = (key << 8) | digest[k]
+            out.append(key)
+        else:
+            out.append(PyBytes_FromStringAndSize(<char *>digest, 32))
         prev = digest
         prev_len = 32
-    return out
+    return 0
 
 
 # -- the in-memory index's maps ----------------------------------------------------------------
@@ -258,9 +292,14 @@ cdef inline uint64_t _key_of(const Digest *d) noexcept:
     return key
 
 
+cdef inline bint _same_holders(Block *b, vector[uint64_t] &codes) noexcept:
+    return b.n == codes.size() and memcmp(b.holders(), codes.data(), b.n * sizeof(uint64_t)) == 0
+
+
 cdef class Core:
     """The maps of ``kvindex.memory.PyCore``, in C++: the same calls, the same answers. The
-    caller (``MemoryIndex``) holds its lock around every call."""
+    caller (``MemoryIndex``) holds its lock around every call. ``lookup`` hands consecutive keys
+    with the same holders one shared map (never mutate what it returns)."""
 
     cdef Maps *core
     cdef _Names models, pods, tiers
@@ -391,15 +430,22 @@ cdef class Core:
             return out
         cdef uint64_t key
         cdef Block *b
+        cdef vector[uint64_t] last  # the holders of the previous key, and their map
+        last_view = None
         for value in keys:
             if not _u64(value, &key):
                 break
             b = self.core.block(m, key)
             if b == NULL:
                 break
-            view = self.holder_map(b, wanted)
-            if not view:
-                break
+            if last_view is not None and _same_holders(b, last):
+                view = last_view  # a shared prefix: one map for the run (the scorer sees `is`)
+            else:
+                view = self.holder_map(b, wanted)
+                if not view:
+                    break
+                last.assign(b.holders(), b.holders() + b.n)
+                last_view = view
             self.core.touch(b)
             out.append(view)
         return out

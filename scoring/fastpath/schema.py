@@ -362,8 +362,7 @@ def _check(request: Struct) -> None:
     path says, ``read_path.key_token_ids``.)"""
     fields: dict[str, list[str]] = {}
     token_ids = getattr(request, "token_ids", UNSET)
-    if token_ids is not UNSET and max(token_ids) > U64_MAX:
-        index = next(i for i, t in enumerate(token_ids) if t > U64_MAX)
+    if token_ids is not UNSET and (index := keys.first_invalid_token(token_ids)) is not None:
         fields["token_ids"] = [f"token_ids[{index}] = {token_ids[index]} is outside 0..2**64-1"]
     messages = getattr(request, "messages", UNSET)
     if messages is not UNSET:

@@ -18,7 +18,7 @@ from ingest.events import DecodeError, decode_message
 from ingest.stats import IngestStats
 from kvindex import MemoryIndex
 from kvindex.base import StoredBlock
-from kvindex.keys import _encode_extra, chain_digests_python, key_of, root_digest
+from kvindex.keys import _encode_extra, chain_digests_python, key_of, keys_of, root_digest
 from kvindex.memory import PyCore
 from kvindex.native import module as native
 from registry.config import ServiceConfig
@@ -60,6 +60,31 @@ def test_the_compiled_chain_hashes_what_the_python_chain_hashes(tokens, block_si
     want = chain_digests_python(tokens, block_size=block_size, parent=parent, extra=extra)
     assert native.chain_digests(tokens, block_size, parent, _encode_extra(extra)) == want
     assert native.chain_digests(tuple(tokens), block_size, parent, _encode_extra(extra)) == want
+    assert native.chain_keys(tokens, block_size, parent, _encode_extra(extra)) == keys_of(want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(
+            st.integers(0, U64),
+            st.integers(max_value=-1),
+            st.integers(min_value=U64 + 1),
+            st.sampled_from([True, 1.0, "1", None, b"1"]),
+        ),
+        max_size=12,
+    )
+)
+def test_the_compiled_token_check_finds_the_first_invalid_token_as_python_does(values) -> None:
+    import kvindex.keys
+
+    found = native.first_invalid_token(values)
+    kvindex_native, kvindex.keys._native = kvindex.keys._native, None
+    try:
+        want = kvindex.keys.first_invalid_token(values)
+    finally:
+        kvindex.keys._native = kvindex_native
+    assert (None if found < 0 else found) == want
 
 
 @pytest.mark.parametrize(
