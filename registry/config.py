@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from types import MappingProxyType
 
 from kvindex.keys import DEFAULT_SEED
@@ -55,6 +56,12 @@ class ModelSettings:
         return self.tier_weights.get(tier, self.other_tier_weight)
 
 
+@lru_cache(maxsize=1024)
+def _default_settings(name: str, block_size: int) -> ModelSettings:
+    """The settings of a model without a config (one object per name: ingest asks per event)."""
+    return ModelSettings(name=name, block_size=block_size)
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """A consistent snapshot of the registry: the hash seed, per-model settings, disabled and down
@@ -94,7 +101,7 @@ class ServiceConfig:
         found = self.models.get(name)
         if found is not None:
             return found
-        return ModelSettings(name=name, block_size=self.default_block_size)
+        return _default_settings(name, self.default_block_size)
 
     def kv_cache_groups_of(self, model: str, holder: str) -> tuple[KVCacheGroup, ...]:
         """The KV-cache groups ``holder`` is scored over: its model config's, else those its pod's
