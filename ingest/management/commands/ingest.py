@@ -48,6 +48,7 @@ from kvindex.shared_stats import (
 from registry.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
 from registry.runtime import (
     connect_index,
+    dynamo_blocks_factory,
     get_index,
     index_is_shared,
     index_options,
@@ -170,6 +171,7 @@ class Command(BaseCommand):
             ),
             processes=processes,
             index_factory=worker_index_factory() if processes > 1 else None,
+            dynamo_factory=dynamo_blocks_factory(timeout=settings.KVCACHE_INGEST_INDEX_TIMEOUT),
             replica=options["replica"] is not None,
             curve=curve,
         )
