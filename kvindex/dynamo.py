@@ -14,9 +14,10 @@ and the Dynamo block hash. A record is a property of the block, the same for eve
 
 Records live beside the index (``DynamoBlockStore``: in this process, or in one Redis HASH per
 model) and are written before the index stores the block. Nothing removes a record when its
-block leaves the index: ``held_blocks``, which every dump calls, deletes those whose block nobody
-holds any more, once they are ``PRUNE_GRACE_SECONDS`` old and only if unchanged since read (a
-block stored again meanwhile keeps its record).
+block leaves the index: ``held_blocks``, which every dump calls, and ``prune``, which ingest
+calls every few minutes, delete those whose block nobody holds any more, once they are
+``PRUNE_GRACE_SECONDS`` old and only if unchanged since read (a block stored again meanwhile
+keeps its record).
 
 Pure core: no Django; the Redis store is handed its client.
 """
@@ -302,23 +303,36 @@ def held_blocks(
 ) -> HeldBlocks:
     """Per index holder and tier, the recorded blocks of ``model`` it holds; deletes the records
     of blocks nobody holds (module docstring). One ``holders`` read per ``SCAN_BLOCKS`` records."""
-    now = time.time() if now is None else now
     out: HeldBlocks = {}
+    for key, block, held in _held_records(index, store, model=model, now=now):
+        for holder, tiers in held.items():
+            for tier in tiers:
+                out.setdefault(holder, {}).setdefault(tier, {})[key] = block
+    return out
+
+
+def prune(index: KVIndex, store: DynamoBlockStore, *, model: str, now: float | None = None) -> int:
+    """Delete the records of ``model``'s blocks nobody holds (module docstring); returns how many
+    records are left."""
+    return sum(1 for _ in _held_records(index, store, model=model, now=now))
+
+
+def _held_records(
+    index: KVIndex, store: DynamoBlockStore, *, model: str, now: float | None
+) -> Iterator[tuple[BlockKey, DynamoBlock, HolderMap]]:
+    """Every record of a block someone holds, with its holders; deletes the stale others."""
+    now = time.time() if now is None else now
     for chunk in store.scan(model=model):
         holders: list[HolderMap] = index.holders(model=model, keys=[key for key, _ in chunk])
         stale: dict[BlockKey, bytes] = {}
         for (key, raw), held in zip(chunk, holders, strict=True):
             block, written_at = unpack(raw)
-            if not held:
-                if now - written_at > PRUNE_GRACE_SECONDS:
-                    stale[key] = raw
-                continue
-            for holder, tiers in held.items():
-                for tier in tiers:
-                    out.setdefault(holder, {}).setdefault(tier, {})[key] = block
+            if held:
+                yield key, block, held
+            elif now - written_at > PRUNE_GRACE_SECONDS:
+                stale[key] = raw
         if stale:
             store.forget(model=model, records=stale)
-    return out
 
 
 class Run(NamedTuple):

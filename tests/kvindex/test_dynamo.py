@@ -29,6 +29,7 @@ from kvindex.dynamo import (
     held_blocks,
     mm_hash,
     pack,
+    prune,
     request_identity,
     runs,
     unpack,
@@ -197,3 +198,15 @@ def test_runs_put_every_parent_first_and_leave_out_what_no_chain_reaches() -> No
         Run(None, [(9, 90)]),
     ]
     assert runs({}) == []
+
+
+def test_prune_deletes_the_stale_records_of_blocks_nobody_holds_and_counts_the_rest() -> None:
+    index = MemoryIndex()
+    clock = [10_000.0]
+    store = MemoryDynamoBlockStore(clock=lambda: clock[0])
+    store.record(model="m", blocks=chain(1, 2, 3))
+    index.store(model="m", pod="7", tier="gpu", blocks=[StoredBlock(1, 1, (1).to_bytes(8, "big"))])
+    assert prune(index, store, model="m", now=clock[0]) == 1
+    assert len(dict(kv for chunk in store.scan(model="m") for kv in chunk)) == 3
+    assert prune(index, store, model="m", now=clock[0] + PRUNE_GRACE_SECONDS + 1) == 1
+    assert store.get(model="m", keys=[1, 2, 3]) == [chain(1)[1], None, None]
