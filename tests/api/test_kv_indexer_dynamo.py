@@ -69,9 +69,10 @@ class DynamoIndexer:
         self.process.stop()
 
 
-@pytest.fixture
-def stack(tmp_path: Path, redis_url: str) -> Iterator[dict]:
-    """``manage.py serve`` and ``ingest`` on the test Redis, recording Dynamo blocks."""
+@pytest.fixture(params=[1, 2], ids=["ingest", "ingest --processes 2"])
+def stack(tmp_path: Path, redis_url: str, request: pytest.FixtureRequest) -> Iterator[dict]:
+    """``manage.py serve`` and ``ingest`` (in one process, or two worker processes) on the test
+    Redis, recording Dynamo blocks."""
     env = service_env(tmp_path, redis_url, HF_HUB_OFFLINE="1", KVCACHE_DYNAMO_BLOCKS="1")
     subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
     web_port, events_port = free_port(), free_port()
@@ -82,7 +83,7 @@ def stack(tmp_path: Path, redis_url: str) -> Iterator[dict]:
     )
     ingest = Process(
         [sys.executable, "manage.py", "ingest", "--bind", f"tcp://127.0.0.1:{events_port}",
-         "--housekeeping-interval", "0.2"],
+         "--housekeeping-interval", "0.2", "--processes", str(request.param)],
         env,
         tmp_path / "ingest.log",
     )  # fmt: skip
