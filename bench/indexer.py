@@ -7,7 +7,10 @@ Systems (``--systems``):
 * ``dynamo``: ``python -m dynamo.indexer --threads T`` (``make bench-dynamo``: ``var/dynamo``),
   its workers the publishers' endpoints; queries ``POST /query {"token_ids", "model_name"}``.
 * ``valkey``: a Valkey server, ``manage.py ingest --connect <each endpoint> --processes P`` and
-  ``manage.py serve --workers 1`` for the queries (``POST /api/v1/score`` with ``token_ids``).
+  ``manage.py serve --workers 1`` for the queries (``POST /api/v1/score`` with ``token_ids``);
+* ``in-process``: ``manage.py serve --workers 1 --index in-process --ingest-connect <each
+  endpoint>``: one process that subscribes, keeps the index (the compiled maps) and answers, as
+  Dynamo's does; no Valkey.
 
 The streams: ``--pods`` publishers (PUB sockets this process binds), each one chain of
 ``blocks / pods`` blocks of 16 tokens in 16-block ``BlockStored`` events as vLLM 0.33 publishes
@@ -29,7 +32,7 @@ Measured per system:
    sent one at a time (p50, p99 over ``--queries``), then by ``wrk`` over 16 connections for
    ``--seconds`` (queries/s, p99), cycling through ``--queries`` distinct bodies.
 
-    .venv/bin/python bench/indexer.py [--systems dynamo,valkey] [--pods 32] [--blocks 81920,327680]
+    .venv/bin/python bench/indexer.py [--systems dynamo,valkey,in-process] [--pods 32] [--blocks 81920,327680]
         [--dynamo-threads 1,2] [--processes 1] [--samples 100] [--out var/bench/indexer.json]
 """
 
@@ -312,6 +315,53 @@ class Ours(System):
         self.valkey.stop()
 
 
+class InProcess(System):
+    """``manage.py serve --index in-process``: one process subscribes to the publishers, keeps the
+    index in its memory (the compiled maps) and answers the queries; no Valkey."""
+
+    def __init__(self, endpoints: list[str], pods: list[str], tmp: Path) -> None:
+        self.name = "ours, in-process (serve --index in-process)"
+        self.env = project_env(tmp, "redis://127.0.0.1:1/0", KVCACHE_INDEX_BACKEND="memory")
+        port = free_port()
+        self.query_url = f"http://127.0.0.1:{port}/api/v1/score"
+        sockets = [arg for endpoint in endpoints for arg in ("--ingest-connect", endpoint)]
+        self.web = subprocess.Popen(
+            [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--workers", "1", "--index", "in-process", *sockets],
+            cwd=ROOT, env=self.env, stdout=(tmp / "ours.log").open("ab"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="the web", every=0.1)
+        self.pids = self.query_pids = _tree(self.web.pid)
+        self.rss = sum(rss_bytes(pid) for pid in self.pids)
+        self._checked: dict[str, tuple[int, bool]] = {}
+        time.sleep(2.0)  # the SUB sockets' subscriptions through (ZeroMQ drops what comes before)
+
+    body = Ours.body
+    matched = Ours.matched
+
+    def applied(self, publishers: Publishers, workload: Workload, removed: bool) -> bool:
+        """Every pod's chain answered as it should be held now (checked pod by pod, once each)."""
+        for pod in workload.pods:
+            wanted = workload.held_tokens(pod, removed)
+            if self._checked.get(pod) == (wanted, removed):
+                continue
+            answer = httpx.post(self.query_url, json=self.body(workload.tokens[pod]), timeout=30).json()
+            if self.matched(answer, pod) != wanted:
+                return False
+            self._checked[pod] = (wanted, removed)
+        return True
+
+    def memory(self) -> int:
+        return sum(rss_bytes(pid) for pid in self.pids) - self.rss
+
+    def stop(self) -> None:
+        self.web.send_signal(signal.SIGTERM)
+        try:
+            self.web.wait(20)
+        except subprocess.TimeoutExpired:
+            self.web.kill()
+
+
 def _tree(pid: int) -> list[int]:
     """``pid`` and its children (worker processes), as they are now."""
     children = Path(f"/proc/{pid}/task/{pid}/children")
@@ -446,7 +496,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--systems", default="dynamo,valkey")
+    parser.add_argument("--systems", default="dynamo,valkey,in-process")
     parser.add_argument("--pods", type=int, default=32)
     parser.add_argument("--blocks", default="81920,327680")
     parser.add_argument("--dynamo-threads", default="1,2")
@@ -478,6 +528,10 @@ def main(argv: list[str] | None = None) -> dict:
                     makers.append(
                         lambda p, n=processes: Ours(p.endpoints, n, Path(tempfile.mkdtemp(dir=work)))
                     )
+            if "in-process" in systems:
+                makers.append(
+                    lambda p, w=workload: InProcess(p.endpoints, w.pods, Path(tempfile.mkdtemp(dir=work)))
+                )
             for make in makers:
                 result = {"blocks": blocks, **run(make, workload, args, work)}
                 report["results"].append(result)

@@ -34,6 +34,12 @@ blocks are judged for hash alignment (the others repeat its hashes).
 
 Batches are *staged* (turned into ``IndexUpdate`` values, counters bumped) and then *flushed*
 together: one index round trip for everything a worker found queued.
+
+With a ``DynamoBlockStore`` (``dynamo``), the blocks keyed from their token ids are also recorded
+as NVIDIA Dynamo's indexer knows them (``kvindex.dynamo``), before the index stores them, for
+``/kv-indexer/dump``: KV-cache group 0's, not re-chunked, without lookahead hashing. A record's
+seed comes from its chain's first block (the cache salt): a child finds its parent's among the
+blocks this applier recorded last, else in the store.
 """
 
 from __future__ import annotations
@@ -53,8 +59,16 @@ from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Ev
 from ingest.stats import IngestStats, StreamStats
 from kvindex import KVIndex, StoredBlock
 from kvindex.base import ClearPod, IndexUpdate, Progress, Remove, Store, Tier, stored_blocks
+from kvindex.dynamo import (
+    DynamoBlock,
+    DynamoBlockStore,
+    block_hash_seed,
+    dynamo_block_hashes,
+    request_identity,
+)
 from kvindex.keys import (
     DIGEST_SIZE,
+    BlockKey,
     Digest,
     ExtraKeys,
     block_chain,
@@ -84,6 +98,10 @@ PAGE_CACHE_SIZE = 32768
 """Engine blocks kept per re-chunked pod (SGLang: a page, often of 1 token) with the model block
 their chain is in: a chain continues from a page that ends inside a model block only while it is
 remembered here (the index knows only pages that complete a model block)."""
+
+DYNAMO_SEED_CACHE_SIZE = 8192
+"""Recently recorded blocks whose Dynamo seed an applier remembers, so a child usually finds its
+parent's without a round trip."""
 
 SLICE_BLOCKS = 2048
 """Blocks a worker keys and writes at a time (keying ~4 ms, writing ~10 ms on Valkey): a larger
@@ -204,8 +222,12 @@ class EventApplier:
         config: Callable[[], ServiceConfig],
         stats: IngestStats,
         cache_budget: int = CACHED_BLOCKS_PER_PROCESS,
+        dynamo: DynamoBlockStore | None = None,
     ) -> None:
         self.index = index
+        self.dynamo = dynamo
+        self._dynamo_records: dict[str, dict[BlockKey, DynamoBlock]] = {}  # model -> to write
+        self._dynamo_seeds: OrderedDict[tuple[str, BlockKey], int] = OrderedDict()
         self.config = config
         self.stats = stats
         self._pods: dict[tuple[str, str], _PodState] = {}
@@ -361,6 +383,10 @@ class EventApplier:
     def flush(self) -> None:
         """Apply every pending update in one round trip. On ``IndexUnavailable`` nothing pending
         is lost: calling ``flush`` again retries it (updates are idempotent)."""
+        if self._dynamo_records:
+            for model, records in list(self._dynamo_records.items()):
+                self.dynamo.record(model=model, blocks=records)
+                del self._dynamo_records[model]
         if self._updates:
             results = self.index.apply_updates(self._updates)
             for (stream, counter), n in zip(self._counts, results, strict=True):
@@ -527,6 +553,10 @@ class EventApplier:
             sent if lookahead is None else [keyed_extra(e, t) for e, t in zip(sent, lookahead, strict=True)]
         )
         digests = block_chain(tokens, block_size=block_size, parent=parent, extras=extras)
+        if self.dynamo is not None and not state.group and lookahead is None:
+            self._describe(
+                event, model=model, parent=parent, digests=digests, sent=sent, block_size=block_size
+            )
         blocks = stored_blocks(digests, hashes)
         matched = map(eq, map(_first, blocks), hashes)
         if sent.count(None) == n:  # no extras: comparable from the first matched block on
@@ -536,6 +566,51 @@ class EventApplier:
             comparable = (comparable and extra is None) or is_key
             judged.append(comparable)
         return blocks, judged
+
+    def _describe(
+        self,
+        event: BlockStored,
+        *,
+        model: str,
+        parent: Digest,
+        digests: Sequence[Digest],
+        sent: Sequence[ExtraKeys],
+        block_size: int,
+    ) -> None:
+        """Stage the Dynamo records of an event's blocks, chained from the digest ``parent``
+        (module docstring). An event whose token ids are not u32 (Dynamo's type) has none."""
+        before = None if event.parent_block_hash is None else key_of(parent)
+        if before is None:
+            salt, _ = request_identity(sent[0], lora_name=event.lora_name)
+            seed = block_hash_seed(lora_name=event.lora_name, cache_salt=salt)
+        else:
+            seed = self._dynamo_seed(model, before, lora_name=event.lora_name)
+        objects = [request_identity(extra, lora_name=event.lora_name)[1] for extra in sent]
+        try:
+            tokens = event.token_ids[: len(digests) * block_size]
+            hashes = dynamo_block_hashes(tokens, block_size=block_size, seed=seed, mm_hashes=objects)
+        except ValueError:
+            return
+        records = self._dynamo_records.setdefault(model, {})
+        seeds = self._dynamo_seeds
+        for digest, block_hash in zip(digests, hashes, strict=True):
+            key = key_of(digest)
+            records[key] = DynamoBlock(before, seed, block_hash)
+            seeds[(model, key)] = seed
+            seeds.move_to_end((model, key))
+            before = key
+        while len(seeds) > DYNAMO_SEED_CACHE_SIZE:
+            seeds.popitem(last=False)
+
+    def _dynamo_seed(self, model: str, parent: BlockKey, *, lora_name: str | None) -> int:
+        """The Dynamo seed of ``parent``'s chain: remembered, staged, or read from the store;
+        without a record, the seed of the LoRA alone (the parent is then not in dumps either)."""
+        seed = self._dynamo_seeds.get((model, parent))
+        if seed is None:
+            staged = self._dynamo_records.get(model, {}).get(parent)
+            found = staged or self.dynamo.get(model=model, keys=[parent])[0]
+            seed = found.seed if found is not None else block_hash_seed(lora_name=lora_name)
+        return seed
 
     def _rechunked_blocks(
         self,

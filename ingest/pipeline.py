@@ -34,6 +34,7 @@ from ingest.replay import ReplayClient, ReplayFailed
 from ingest.resync import CatchUp, Fetched
 from ingest.stats import IngestStats
 from kvindex import IndexUnavailable, KVIndex
+from kvindex.dynamo import DynamoBlockStore
 from kvindex.epochs import READY, RESYNCING, marker, new_token, parse_marker
 from registry.config import DP_RANK_SEPARATOR, ServiceConfig
 
@@ -71,6 +72,7 @@ class IngestPipeline:
         epoch_check_seconds: float | None = EPOCH_CHECK_SECONDS,
         processes: int = 1,
         index_factory: Callable[[], KVIndex] | None = None,
+        dynamo_factory: Callable[[], DynamoBlockStore | None] | None = None,
         replica: bool = False,
         curve: EventCurve | None = None,
     ) -> None:
@@ -78,13 +80,16 @@ class IngestPipeline:
         then ``index_factory`` (picklable: a worker process calls it to open its own handle on
         ``index``) is required, and an in-memory ``index`` is refused (``ValueError``).
         ``curve``: the SUB sockets speak CURVE (``ingest.curve``); with ``bind``, a ZAP handler
-        on ``context`` admits the allowed keys from before the sockets bind until ``stop``."""
+        on ``context`` admits the allowed keys from before the sockets bind until ``stop``.
+        ``dynamo_factory`` (picklable too): opens the store the appliers record blocks in as
+        Dynamo's indexer knows them (``kvindex.dynamo``; none without it)."""
         if processes > 1:
             refuse_memory_index(index)
             if index_factory is None:
                 raise ValueError("processes > 1 needs an index_factory for the worker processes")
         self.stats = stats or IngestStats()
         self.index = index
+        self.dynamo = dynamo_factory() if dynamo_factory is not None and processes <= 1 else None
         self.config = config
         self.replay = replay
         self._gc_freeze_seconds = gc_freeze_seconds
@@ -109,7 +114,9 @@ class IngestPipeline:
 
         def handler_factory(_worker: int):
             budget = CACHED_BLOCKS_PER_PROCESS // workers
-            applier = EventApplier(index, config=config, stats=self.stats, cache_budget=budget)
+            applier = EventApplier(
+                index, config=config, stats=self.stats, cache_budget=budget, dynamo=self.dynamo
+            )
             self.appliers.append(applier)
             handler = DecodingHandler(applier, self.stats, limits, replay=replay, progress=self.progress)
             self.handlers.append(handler)
@@ -125,6 +132,7 @@ class IngestPipeline:
                 stats=self.stats,
                 config=config,
                 index_factory=index_factory,
+                dynamo_factory=dynamo_factory,
                 limits=limits,
                 replay=ReplaySettings.of(replay) if replay else None,
                 gc_freeze_seconds=gc_freeze_seconds,

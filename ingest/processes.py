@@ -78,6 +78,7 @@ from ingest.replay import ReplayClient, ReplayFailed
 from ingest.resync import CatchUp, Fetched
 from ingest.stats import IngestStats, StatsShipper, merge_stats
 from kvindex import IndexUnavailable, KVIndex, MemoryIndex
+from kvindex.dynamo import DynamoBlockStore
 from registry.config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class WorkerSpec:
     inbox: str  # the endpoint it binds and reads its work from
     outbox: str  # the endpoint it reports to
     index_factory: Callable[[], KVIndex]
+    dynamo_factory: Callable[[], DynamoBlockStore | None] | None
     config: ServiceConfig
     threads: int
     queue_size: int
@@ -178,6 +180,7 @@ class ProcessShardPool:
         stats: IngestStats,
         config: Callable[[], ServiceConfig],
         index_factory: Callable[[], KVIndex],
+        dynamo_factory: Callable[[], DynamoBlockStore | None] | None = None,
         limits: DecodeLimits = DEFAULT_LIMITS,
         replay: ReplaySettings | None = None,
         gc_freeze_seconds: float | None = 1.0,
@@ -196,6 +199,7 @@ class ProcessShardPool:
             WorkerSpec,
             processes=processes,
             index_factory=index_factory,
+            dynamo_factory=dynamo_factory,
             threads=threads,
             queue_size=queue_size,
             limits=limits,
@@ -607,6 +611,7 @@ class _Worker:
         self.shipper = StatsShipper(self.stats)
         self.index = spec.index_factory()
         refuse_memory_index(self.index)
+        self.dynamo = spec.dynamo_factory() if spec.dynamo_factory is not None else None
         progress = self._read_progress()
         replay = None
         if spec.replay is not None:
@@ -624,6 +629,7 @@ class _Worker:
                 config=lambda: self.config,
                 stats=self.stats,
                 cache_budget=CACHED_BLOCKS_PER_PROCESS // spec.threads,
+                dynamo=self.dynamo,
             )
             handler = DecodingHandler(applier, self.stats, spec.limits, replay=replay, progress=progress)
             self.handlers.append(handler)

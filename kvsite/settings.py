@@ -24,6 +24,7 @@
 | KVCACHE_INGEST_MAX_PODS | 4096 | unregistered pods one ingest receives from at once (more: too_many_pods) |
 | KVCACHE_INGEST_POD_IDLE_SECONDS | 600 | an unregistered pod quiet this long gives its place to a new one |
 | KVCACHE_INGEST_REGISTERED_PODS_ONLY | false | take KV events only from pods registered for their model |
+| KVCACHE_DYNAMO_BLOCKS | false | ingest records blocks as Dynamo hashes them, for ``/kv-indexer/dump`` |
 | KVCACHE_INGEST_CURVE_SECRET_KEY_FILE | "" (off) | ingest's CURVE key pair (``NAME.key_secret``): CURVE on |
 | KVCACHE_INGEST_CURVE_CLIENTS_DIR | "" | ``--bind``: the engines' public certificates it admits |
 | KVCACHE_INGEST_CURVE_SERVER_KEY_FILE | "" | the engines' public key (``--connect``, replicas, replays) |
@@ -300,6 +301,13 @@ KVCACHE_INGEST_MAX_BLOCKS = int(os.environ.get("KVCACHE_INGEST_MAX_BLOCKS", "655
 KVCACHE_INGEST_MAX_PODS = int(os.environ.get("KVCACHE_INGEST_MAX_PODS", "4096"))
 KVCACHE_INGEST_POD_IDLE_SECONDS = float(os.environ.get("KVCACHE_INGEST_POD_IDLE_SECONDS", "600"))
 KVCACHE_INGEST_REGISTERED_PODS_ONLY = env_bool("KVCACHE_INGEST_REGISTERED_PODS_ONLY")
+# Ingest records each block it keys from token ids as NVIDIA Dynamo's indexer hashes it (its
+# parent, its XXH3 block hash: kvindex/dynamo.py), beside the index (on REDIS_URL for a Redis
+# index), so that /kv-indexer/dump lists the blocks as Dynamo's own dump does and a Dynamo indexer
+# can recover from us (python -m dynamo.indexer --peers http://<web>/kv-indexer). Off: the dump's
+# events are empty. Costs ~28 bytes a block in Redis plus its hash entry, and an XXH3 a block.
+# Applied by registry.runtime.dynamo_blocks_factory.
+KVCACHE_DYNAMO_BLOCKS = env_bool("KVCACHE_DYNAMO_BLOCKS")
 # CURVE on the KV-event sockets (ingest/curve.py; certificates from manage.py curve_keys), off
 # unless the secret key file is set. Ingest's own key pair; the directory of the engines' public
 # certificates (NAME.key) its bound SUB sockets (--bind, where it is the CURVE server) admit, read

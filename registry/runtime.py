@@ -12,15 +12,18 @@ pipeline, gateway) takes these as arguments; only the Django shells (views, comm
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from kvindex import KVIndex, open_index
+from kvindex.dynamo import DynamoBlockStore, MemoryDynamoBlockStore, RedisDynamoBlockStore
 from kvindex.epochs import EpochWatch
 from registry.config import ServiceConfig
 from registry.selectors import load_service_config
@@ -123,6 +126,53 @@ def set_index(index: KVIndex | None) -> None:
 
 
 _epoch_watch = EpochWatch()
+
+_dynamo_blocks: DynamoBlockStore | None = None
+_dynamo_blocks_lock = threading.Lock()
+
+
+def dynamo_blocks_factory(*, timeout: float) -> Callable[[], DynamoBlockStore | None] | None:
+    """How a process opens the store of the blocks ingest records as Dynamo's indexer knows them
+    (``kvindex.dynamo``; ``None`` unless ``KVCACHE_DYNAMO_BLOCKS`` is on): beside a Redis index
+    (one server or a cluster), on ``REDIS_URL``, connecting and replying within ``timeout``
+    seconds, as a picklable call (``ingest --processes N``); beside the in-process index, this
+    process's own store."""
+    if not settings.KVCACHE_DYNAMO_BLOCKS:
+        return None
+    if not index_is_shared():
+        return get_dynamo_blocks
+    return functools.partial(
+        RedisDynamoBlockStore.from_url,
+        settings.REDIS_URL,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+    )
+
+
+def get_dynamo_blocks() -> DynamoBlockStore | None:
+    """This process's store of Dynamo block records (``dynamo_blocks_factory``, replying within
+    ``KVCACHE_INDEX_TIMEOUT``), opened on first use; ``None`` when ``KVCACHE_DYNAMO_BLOCKS`` is off."""
+    global _dynamo_blocks
+    if not settings.KVCACHE_DYNAMO_BLOCKS:
+        return None
+    if _dynamo_blocks is None:
+        with _dynamo_blocks_lock:
+            if _dynamo_blocks is None:
+                if index_is_shared():
+                    timeout = settings.KVCACHE_INDEX_TIMEOUT
+                    _dynamo_blocks = RedisDynamoBlockStore.from_url(
+                        settings.REDIS_URL, socket_timeout=timeout, socket_connect_timeout=timeout
+                    )
+                else:
+                    _dynamo_blocks = MemoryDynamoBlockStore()
+    return _dynamo_blocks
+
+
+def set_dynamo_blocks(store: DynamoBlockStore | None) -> None:
+    """Replace this process's store of Dynamo block records (tests; ``None``: open one on next use)."""
+    global _dynamo_blocks
+    with _dynamo_blocks_lock:
+        _dynamo_blocks = store
 
 
 def resyncing_models() -> list[str]:

@@ -21,12 +21,14 @@ in plain text: a body that is not JSON, 400; a field of the wrong type or missin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
 from kvindex.base import PodBlocks
+from kvindex.dynamo import HeldBlocks, runs
+from kvindex.kv_cache_groups import is_group_holder
 from registry.config import DP_RANK_SEPARATOR, ServiceConfig, owner_pod
 from scoring.fastpath.schema import MAX_NAME_CHARS, U64_MAX, RequestError, decode
 from scoring.read_path import ScoreResult
@@ -228,11 +230,19 @@ def workers_answer(
     return workers
 
 
-def dump_answer(config: ServiceConfig, blocks: Iterable[PodBlocks]) -> dict[str, Any]:
-    """Dynamo's ``/dump`` keys and ``block_size`` per ``"<model>:default"``. Dynamo lists its radix
-    tree as store events; our index keeps no tree and no event log to replay (each block key maps
-    to its holders), so ``events`` is always empty and ``blocks`` counts, per instance, rank and
-    tier, the blocks the index holds: one number per holder, however large the index."""
+DYNAMO_TIERS = {"gpu": "device", "cpu": "host_pinned"}
+"""Dynamo's ``storage_tier`` for our tiers; any other tier (``fs``, ``obj``, ...) is ``disk``."""
+
+
+def dump_answer(
+    config: ServiceConfig, blocks: Iterable[PodBlocks], held: Mapping[str, HeldBlocks] | None = None
+) -> dict[str, Any]:
+    """Dynamo's ``/dump``, per ``"<model>:default"``: the model's ``block_size`` and ``events``,
+    what a Dynamo indexer started with ``--peers`` at us replays (``dump_events``), from ``held``
+    (model -> ``kvindex.dynamo.held_blocks``; without it, as when ingest records no Dynamo blocks,
+    ``events`` is empty). ``blocks``, ours, counts per instance, rank and tier the blocks the index
+    holds (Dynamo ignores it)."""
+    held = held or {}
     models: dict[str, dict[str, Any]] = {}
     for model in sorted(config.pod_models | set(config.models)):
         models[model] = {"block_size": config.model(model).block_size, "events": [], "blocks": {}}
@@ -244,4 +254,40 @@ def dump_answer(config: ServiceConfig, blocks: Iterable[PodBlocks]) -> dict[str,
         tiers = per_rank.setdefault(str(rank_of(row.pod)), {})
         for tier, count in row.blocks_by_tier.items():
             tiers[tier] = tiers.get(tier, 0) + count
+    for model, entry in models.items():
+        entry["events"] = dump_events(held.get(model, {}), config)
     return {f"{model}:{DEFAULT_GROUP}": entry for model, entry in sorted(models.items())}
+
+
+def dump_events(held: HeldBlocks, config: ServiceConfig) -> list[dict[str, Any]]:
+    """The blocks ``held`` as Dynamo 1.6's ``/dump`` lists its radix tree: ``stored`` events per
+    worker, rank and tier, each parent's before its children's (``kvindex.dynamo.runs``), with
+    our block keys as Dynamo's ``block_hash`` and the Dynamo block hashes as ``tokens_hash``. Only
+    the pods whose id is a number (Dynamo's ``worker_id`` is a u64: another id would make the
+    whole dump unreadable to it) and that scores count (not disabled or down), KV-cache group 0."""
+    events: list[dict[str, Any]] = []
+    for holder in sorted(held):
+        pod = owner_pod(holder)
+        worker = instance_id(pod)
+        if not isinstance(worker, int) or pod in config.unscored_pods or is_group_holder(holder):
+            continue
+        rank = rank_of(holder)
+        for tier in sorted(held[holder]):
+            for run in runs(held[holder][tier]):
+                stored = {
+                    "parent_hash": run.parent,
+                    "start_position": None,
+                    "blocks": [
+                        {"block_hash": key, "tokens_hash": block_hash, "mm_extra_info": None}
+                        for key, block_hash in run.blocks
+                    ],
+                }
+                events.append(
+                    {
+                        "worker_id": worker,
+                        "storage_tier": DYNAMO_TIERS.get(tier, "disk"),
+                        "residency_domain": "worker",
+                        "event": {"event_id": len(events), "data": {"stored": stored}, "dp_rank": rank},
+                    }
+                )
+    return events

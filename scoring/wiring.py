@@ -43,5 +43,6 @@ def build_scoring_app() -> ScoringApp:
             index=runtime.get_index,
             tokenizers=runtime.get_tokenizers,
             sandbox=runtime.get_sandbox,
+            dynamo_blocks=runtime.get_dynamo_blocks,
         )
     )

@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 
 from kvindex import KVIndex
+from kvindex.dynamo import DynamoBlockStore
 from registry.config import ServiceConfig
 from registry.snapshot import ConfigSource
 from scoring import read_path
@@ -87,6 +88,8 @@ class Handles:
     index: Callable[[], KVIndex]
     tokenizers: Callable[[ServiceConfig], TokenizerRegistry]
     sandbox: Callable[[], TemplateSandbox | None]
+    dynamo_blocks: Callable[[], DynamoBlockStore | None] = lambda: None
+    """Where ingest records blocks as Dynamo's indexer knows them (``/kv-indexer/dump``)."""
 
 
 class _Answer:

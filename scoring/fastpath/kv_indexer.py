@@ -12,6 +12,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
+from kvindex import KVIndex, PodBlocks
+from kvindex.dynamo import DynamoBlockStore, HeldBlocks, held_blocks
+from registry.config import ServiceConfig
 from scoring import kv_indexer, read_path
 from scoring.fastpath import metrics
 from scoring.fastpath.app import ScoringApp, _authenticate, _read_body, _respond
@@ -73,8 +76,9 @@ class KVIndexerApp:
                 routing_group=query.get("routing_group", [None])[-1],
             )
         index = self.handles.index()
-        blocks = await self.scoring.run(False, index.pod_blocks)
-        return kv_indexer.dump_answer(config, blocks)
+        store = self.handles.dynamo_blocks()
+        blocks, held = await self.scoring.run(True, _dump_reads, index, store, config)
+        return kv_indexer.dump_answer(config, blocks, held)
 
     async def _post(self, endpoint: str, body: bytes, content_type: str, max_depth: int) -> Any:
         if endpoint == "kv_indexer_query_by_hash":
@@ -106,6 +110,18 @@ class KVIndexerApp:
             cache_salt=request.cache_salt or None,
             max_tokens=read_path.context_length(tokenizers, config, request.model_name),
         )
+
+
+def _dump_reads(
+    index: KVIndex, store: DynamoBlockStore | None, config: ServiceConfig
+) -> tuple[list[PodBlocks], dict[str, HeldBlocks]]:
+    """What ``/dump`` reads: the block counts, and per model the recorded blocks each holder
+    holds (none without a store)."""
+    blocks = index.pod_blocks()
+    if store is None:
+        return blocks, {}
+    models = {row.model for row in blocks} & set(store.models())
+    return blocks, {model: held_blocks(index, store, model=model) for model in sorted(models)}
 
 
 def _as_indexer_error(exc: Exception, endpoint: str) -> IndexerError:

@@ -290,9 +290,12 @@ KV_INDEXER_PATHS = {
     ),
     "/kv-indexer/dump": _indexer_operation(
         "get",
-        "Block counts per model, instance, rank and tier",
-        'Dynamo\'s `/dump` keys (`"<model>:default"`) and `block_size`; `events` is always empty (this index '
-        "keeps no tree of events) and `blocks` counts the blocks of each instance, rank and tier.",
+        "The index as Dynamo's dump: stored events per worker, rank and tier",
+        "Dynamo's `/dump`, per `\"<model>:default\"`: `block_size` and `events`, the blocks held as Dynamo's "
+        "radix tree lists them (stored events, parents first: what `python -m dynamo.indexer --peers "
+        "http://<here>/kv-indexer` replays), of pods with a numeric id, when ingest records them "
+        "(KVCACHE_DYNAMO_BLOCKS; else empty); ours, `blocks` counts the blocks of each instance, rank "
+        "and tier.",
         None,
         "200 Per model.",
         {"401": "No valid bearer key.", "503": "The index cannot be reached."},

@@ -16,7 +16,8 @@ from rest_framework.test import APIClient
 from ingest.applier import EventApplier
 from ingest.events import BlockRemoved, BlockStored, EventBatch
 from ingest.stats import IngestStats
-from kvindex import KVIndex, open_index
+from kvindex import KVIndex, MemoryIndex, open_index
+from kvindex.dynamo import DynamoBlockStore, MemoryDynamoBlockStore, RedisDynamoBlockStore
 from kvindex.keys import ExtraKeys, block_keys
 from registry import runtime
 from registry.config import ServiceConfig
@@ -136,9 +137,26 @@ class Engines:
 
 
 @pytest.fixture
-def engines(index: KVIndex) -> Engines:
+def dynamo_blocks(index: KVIndex, settings) -> Iterator[DynamoBlockStore]:
+    """``KVCACHE_DYNAMO_BLOCKS`` on: the store of Dynamo block records beside the index (in this
+    process beside the memory index, else on ``REDIS_URL``), installed as the process's."""
+    settings.KVCACHE_DYNAMO_BLOCKS = True
+    if isinstance(index, MemoryIndex):
+        store: DynamoBlockStore = MemoryDynamoBlockStore()
+    else:
+        store = RedisDynamoBlockStore.from_url(settings.REDIS_URL)
+    runtime.set_dynamo_blocks(store)
+    yield store
+    runtime.set_dynamo_blocks(None)
+    store.close()
+
+
+@pytest.fixture
+def engines(index: KVIndex, request: pytest.FixtureRequest) -> Engines:
+    """Engines through ingest's applier (recording Dynamo blocks when the test has ``dynamo_blocks``)."""
     config = ServiceConfig(seed=SEED, default_block_size=BLOCK_SIZE)
-    return Engines(index, EventApplier(index, config=lambda: config, stats=IngestStats()))
+    dynamo = request.getfixturevalue("dynamo_blocks") if "dynamo_blocks" in request.fixturenames else None
+    return Engines(index, EventApplier(index, config=lambda: config, stats=IngestStats(), dynamo=dynamo))
 
 
 @pytest.fixture

@@ -14,9 +14,11 @@ import base64
 import pytest
 from django.contrib.auth.models import User
 
+from kvindex.dynamo import block_hash_seed, dynamo_block_hashes
+from kvindex.keys import block_extra_keys, block_keys
 from registry.models import ModelConfig, Pod
 from registry.runtime import invalidate_service_config
-from tests.api.conftest import BLOCK_SIZE, MODEL
+from tests.api.conftest import BLOCK_SIZE, MODEL, SEED
 
 # Dynamo 1.6.1's answers, (status, body); "text" where it answers in plain text (ours: JSON).
 DYNAMO = {
@@ -66,7 +68,7 @@ DYNAMO = {
 }
 DIVERGES = {
     "query_by_hash": "400: Dynamo's block hashes are not this index's keys (Dynamo: 200, its matches)",
-    "dump": '"events" stays empty; "blocks" counts each instance\'s blocks per rank and tier',
+    "dump": '"events" only with KVCACHE_DYNAMO_BLOCKS, of pods with a numeric id; "blocks" is ours',
 }
 REGISTER = {"instance_id": 7, "endpoint": "tcp://127.0.0.1:19555", "model_name": "m", "block_size": 16}
 
@@ -241,6 +243,58 @@ def test_dump_lists_each_models_blocks_per_instance_rank_and_tier(client, index,
     engines.cache("7b", list(range(BLOCK_SIZE)), rank=2, tier="cpu")
     blocks = client.get("/kv-indexer/dump").json()[f"{MODEL}:default"]["blocks"]
     assert blocks == {"7b": {"0": {"gpu": 3}, "2": {"cpu": 1}}}
+
+
+def test_dump_lists_recorded_blocks_as_dynamos_stored_events(client, index, engines, dynamo_blocks):
+    for pod in ("7", "8", "9", "sim-0"):
+        Pod.objects.create(pod_id=pod, model=MODEL, registered=True, enabled=pod != "9")
+    invalidate_service_config()
+    tokens = list(range(1000, 1000 + 4 * BLOCK_SIZE))
+    engines.cache("7", tokens)
+    engines.cache("7", tokens[: 2 * BLOCK_SIZE], rank=1)
+    engines.cache("8", tokens[: 3 * BLOCK_SIZE], tier="cpu")
+    salted = list(range(7000, 7000 + 2 * BLOCK_SIZE))
+    engines.cache("8", salted, extra_keys=block_extra_keys(2, cache_salt="tenant-42"))
+    engines.cache("9", tokens)  # disabled: out of scores, out of the events
+    engines.cache("sim-0", tokens)  # Dynamo's worker_id is a number: not this pod
+
+    def stored(worker, rank, tier, keys, hashes):
+        """Dynamo's dump entry of one chain (``event_id`` aside: it numbers the events in order)."""
+        blocks = [
+            {"block_hash": k, "tokens_hash": h, "mm_extra_info": None}
+            for k, h in zip(keys, hashes, strict=True)
+        ]
+        return {
+            "worker_id": worker,
+            "storage_tier": tier,
+            "residency_domain": "worker",
+            "event": {
+                "event_id": None,
+                "data": {"stored": {"parent_hash": None, "start_position": None, "blocks": blocks}},
+                "dp_rank": rank,
+            },
+        }
+
+    keys = block_keys(tokens, seed=SEED)
+    hashes = dynamo_block_hashes(tokens, block_size=BLOCK_SIZE)
+    salted_keys = block_keys(salted, seed=SEED, cache_salt="tenant-42")
+    salted_hashes = dynamo_block_hashes(
+        salted, block_size=BLOCK_SIZE, seed=block_hash_seed(cache_salt="tenant-42")
+    )
+    dump = client.get("/kv-indexer/dump").json()[f"{MODEL}:default"]
+    by_worker = sorted(
+        dump["events"], key=lambda e: (e["worker_id"], e["event"]["dp_rank"], e["storage_tier"])
+    )
+    assert [e["event"]["event_id"] for e in dump["events"]] == [0, 1, 2, 3]
+    for event in by_worker:
+        event["event"]["event_id"] = None
+    assert by_worker == [
+        stored(7, 0, "device", keys, hashes),
+        stored(7, 1, "device", keys[:2], hashes[:2]),
+        stored(8, 0, "device", salted_keys, salted_hashes),
+        stored(8, 0, "host_pinned", keys[:3], hashes[:3]),
+    ]
+    assert dump["blocks"]["sim-0"] == {"0": {"gpu": 4}}
 
 
 def test_the_reads_need_an_api_key_when_keys_are_set(client, index, settings):

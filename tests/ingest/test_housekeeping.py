@@ -8,8 +8,12 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+import ingest.management.commands.ingest as housekeeping_module
 from ingest.management.commands.ingest import Housekeeping
 from ingest.stats import IngestStats
+from kvindex import MemoryIndex, StoredBlock
+from kvindex.dynamo import PRUNE_GRACE_SECONDS, DynamoBlock, MemoryDynamoBlockStore
+from registry import runtime
 from registry.models import Pod
 
 MODEL = "google/gemma-3-1b-it"
@@ -65,3 +69,22 @@ def test_a_round_writes_the_groups_of_the_pods_whose_groups_changed_only(setting
         assert not [q for q in queries if "learned_kv_cache_groups" in q["sql"]]
     finally:
         housekeeping.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_dynamo_block_records_of_blocks_nobody_holds_are_pruned_every_few_minutes(settings, monkeypatch):
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    index = MemoryIndex()
+    index.store(model=MODEL, pod="7", tier="gpu", blocks=[StoredBlock(1, 1, (1).to_bytes(8, "big"))])
+    store = MemoryDynamoBlockStore(clock=lambda: time.time() - 2 * PRUNE_GRACE_SECONDS)
+    store.record(model=MODEL, blocks={1: DynamoBlock(None, 1337, 10), 2: DynamoBlock(1, 1337, 20)})
+    monkeypatch.setattr(housekeeping_module, "DYNAMO_PRUNE_SECONDS", 0.0)
+    runtime.set_index(index)
+    housekeeping = Housekeeping(IngestStats(), dynamo=store)
+    try:
+        housekeeping.run_once()
+        housekeeping._pruning.join(5)
+        assert store.get(model=MODEL, keys=[1, 2]) == [DynamoBlock(None, 1337, 10), None]
+    finally:
+        housekeeping.close()
+        runtime.set_index(None)

@@ -38,6 +38,7 @@ from ingest.replay import ReplayClient
 from ingest.stats import IngestStats, IngestStatsCollector
 from kvindex import KVIndex, open_index
 from kvindex.base import IndexUnavailable
+from kvindex.dynamo import DynamoBlockStore, prune
 from kvindex.shared_stats import (
     instance_id,
     publish_snapshot,
@@ -48,6 +49,8 @@ from kvindex.shared_stats import (
 from registry.liveness import LivenessCollector, LivenessProber, LivenessSettings, probe_targets
 from registry.runtime import (
     connect_index,
+    dynamo_blocks_factory,
+    get_dynamo_blocks,
     get_index,
     index_is_shared,
     index_options,
@@ -170,6 +173,7 @@ class Command(BaseCommand):
             ),
             processes=processes,
             index_factory=worker_index_factory() if processes > 1 else None,
+            dynamo_factory=dynamo_blocks_factory(timeout=settings.KVCACHE_INGEST_INDEX_TIMEOUT),
             replica=options["replica"] is not None,
             curve=curve,
         )
@@ -215,7 +219,9 @@ class Command(BaseCommand):
         self.stdout.write(f"ingest: {endpoints}; topic {options['topic']!r}; {workers}")
         self.stdout.flush()
 
-        housekeeping = Housekeeping(stats, prober=prober, forget_pod=pipeline.forget_pod)
+        housekeeping = Housekeeping(
+            stats, prober=prober, forget_pod=pipeline.forget_pod, dynamo=get_dynamo_blocks()
+        )
         while not stopping.wait(options["housekeeping_interval"]):
             housekeeping.run_once()
         pipeline.stop()
@@ -320,8 +326,10 @@ class Housekeeping:
     evicted (their rows and blocks), publish the counters (into Redis, and to the channel-layer
     group ``KVCACHE_STATS_GROUP`` for the dashboards watching live) and record the dashboard's
     history into Redis (``ingest.history``); once a minute: expire pods not heard from for
-    ``KVCACHE_POD_EXPIRE_DAYS`` (``forget_pod``: what the pipeline holds of them goes too). Runs
-    ``prober`` (if any) from construction until ``close``."""
+    ``KVCACHE_POD_EXPIRE_DAYS`` (``forget_pod``: what the pipeline holds of them goes too); every
+    ``DYNAMO_PRUNE_SECONDS``, in a thread of its own, delete the Dynamo block records (``dynamo``,
+    with ``KVCACHE_DYNAMO_BLOCKS``) of blocks nobody holds. Runs ``prober`` (if any) from
+    construction until ``close``."""
 
     def __init__(
         self,
@@ -329,8 +337,12 @@ class Housekeeping:
         *,
         prober: LivenessProber | None = None,
         forget_pod: Callable[[str], None] | None = None,
+        dynamo: DynamoBlockStore | None = None,
     ) -> None:
         self.stats = stats
+        self.dynamo = dynamo
+        self._next_prune = time.monotonic() + DYNAMO_PRUNE_SECONDS
+        self._pruning: threading.Thread | None = None
         self.prober = prober
         self.forget_pod = forget_pod or stats.forget_pod
         self._registered: dict[str, float] = {}
@@ -380,9 +392,28 @@ class Housekeeping:
                 self._record_history(snapshot)
             except redis.RedisError as e:
                 log.warning("could not record the dashboard history: %s", e)
+        self._prune_dynamo_blocks()
         if self._trim is not None and time.monotonic() >= self._next_trim:
             self._next_trim = time.monotonic() + TRIM_INTERVAL_SECONDS
             self._trim()
+
+    def _prune_dynamo_blocks(self) -> None:
+        if self.dynamo is None or time.monotonic() < self._next_prune:
+            return
+        if self._pruning is not None and self._pruning.is_alive():
+            return
+        self._next_prune = time.monotonic() + DYNAMO_PRUNE_SECONDS
+        self._pruning = threading.Thread(
+            target=self._prune_dynamo_models, name="ingest-dynamo-prune", daemon=True
+        )
+        self._pruning.start()
+
+    def _prune_dynamo_models(self) -> None:
+        try:
+            for model in self.dynamo.models():
+                prune(get_index(), self.dynamo, model=model)
+        except Exception:
+            log.exception("could not prune the Dynamo block records")
 
     def _record_history(self, snapshot: dict) -> None:
         """The dashboard history's point: from this process's ``snapshot`` (as published) and the
@@ -466,6 +497,10 @@ EXPIRY_INTERVAL_SECONDS = 60.0
 
 TRIM_INTERVAL_SECONDS = 10.0
 """How often housekeeping hands the memory freed since back to the system (``malloc_trim``)."""
+
+DYNAMO_PRUNE_SECONDS = 300.0
+"""How often housekeeping deletes the Dynamo block records of blocks nobody holds any more
+(``KVCACHE_DYNAMO_BLOCKS``): the records then number the blocks held plus a few minutes' churn."""
 
 
 def _malloc_trim() -> Callable[[], object] | None:
