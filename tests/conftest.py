@@ -55,19 +55,27 @@ def lora_capture() -> dict:
     return load_capture("lora")
 
 
+@pytest.fixture
+def python_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pure-Python key chain and index maps for this test, as where the compiled hot path is
+    not built (``MemoryIndex`` then makes a ``PyCore``)."""
+    import kvindex.keys
+    import kvindex.memory
+
+    monkeypatch.setattr(kvindex.keys, "_native", None)
+    monkeypatch.setattr(kvindex.memory, "_native", None)
+
+
 @pytest.fixture(params=["native", "python"])
 def both_cores(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test twice: with the compiled hot path (``kvindex.native``: the key chain and the
     in-memory index's maps) and with the pure-Python fallback. A module opts in with
     ``pytestmark = pytest.mark.usefixtures("both_cores")``. The compiled one must be built (``make
     install``): the suite fails rather than skip it, so a machine where it does not build says so."""
-    import kvindex.keys
-    import kvindex.memory
     from kvindex import native
 
     if request.param == "native":
         assert native.module is not None, f"the compiled hot path did not load: {native.reason}"
     else:
-        monkeypatch.setattr(kvindex.keys, "_native", None)
-        monkeypatch.setattr(kvindex.memory, "_native", None)
+        request.getfixturevalue("python_fallback")
     return request.param

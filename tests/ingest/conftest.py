@@ -123,11 +123,14 @@ class Harness:
         self.context.destroy(linger=0)  # a failed test must not leave term() waiting
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster", "redis-cluster-compact"])
+@pytest.fixture(params=["memory", "memory-python", "redis", "redis-cluster", "redis-cluster-compact"])
 def index(request) -> Iterator[KVIndex]:
     """Each backend in turn: the write path must behave the same on all of them (the cluster in
-    both layouts: its holder scripts differ)."""
+    both layouts: its holder scripts differ; the in-memory one compiled and in pure Python)."""
     if request.param == "memory":
+        url = "memory://"
+    elif request.param == "memory-python":
+        request.getfixturevalue("python_fallback")
         url = "memory://"
     elif request.param.startswith("redis-cluster"):
         url = request.getfixturevalue("redis_cluster_url")

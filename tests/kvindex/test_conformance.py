@@ -25,12 +25,23 @@ CPU = frozenset({"cpu"})
 
 
 @pytest.fixture(
-    params=["memory", "memory-max-bytes", "redis", "redis-compact", "redis-cluster", "redis-cluster-compact"]
+    params=[
+        "memory",
+        "memory-python",
+        "memory-max-bytes",
+        "redis",
+        "redis-compact",
+        "redis-cluster",
+        "redis-cluster-compact",
+    ]
 )
 def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     if request.param == "memory":
         # Its bound on entries per key is its own (test_memory); 50 writers x 2 tiers must fit.
         idx: KVIndex = MemoryIndex(pod_cache_size=1000)
+    elif request.param == "memory-python":  # the pure-Python fallback of the compiled maps and chain
+        request.getfixturevalue("python_fallback")
+        idx = MemoryIndex(pod_cache_size=1000, native=False)
     elif request.param == "memory-max-bytes":
         # The same, with a byte budget that every test fits in, so the bookkeeping runs throughout.
         idx = MemoryIndex(pod_cache_size=1000, max_bytes=64 << 20)
@@ -46,11 +57,16 @@ def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     idx.close()
 
 
-@pytest.fixture(params=["memory", "redis", "redis-compact", "redis-cluster", "redis-cluster-compact"])
+@pytest.fixture(
+    params=["memory", "memory-python", "redis", "redis-compact", "redis-cluster", "redis-cluster-compact"]
+)
 def tiny_slices(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     """An index that cuts every write into slices of at most 3 blocks, hashes or entries."""
     if request.param == "memory":
         idx: KVIndex = MemoryIndex(pod_cache_size=1000, slice_blocks=3)
+    elif request.param == "memory-python":
+        request.getfixturevalue("python_fallback")
+        idx = MemoryIndex(pod_cache_size=1000, slice_blocks=3, native=False)
     elif request.param == "redis-cluster":
         idx = open_index(request.getfixturevalue("redis_cluster_url"), slice_blocks=3)
     elif request.param == "redis-cluster-compact":
