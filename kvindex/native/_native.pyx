@@ -109,14 +109,20 @@ cdef extern from "core.hpp" namespace "kvn":
 
 set_hash_seed(int.from_bytes(os.urandom(8), "little"))
 
-sha256_backend = "portable"
+
+
+def _sha256_backend():
+    cdef bytes soname
+    if os.environ.get("KVCACHE_NATIVE_SHA256", "") != "portable":
+        for soname in (b"libcrypto.so.3", b"libcrypto.so"):
+            if kv_sha256_use_openssl(soname):
+                return "openssl"
+    return "portable"
+
+
+sha256_backend = _sha256_backend()
 """Which SHA-256 the chain uses: ``openssl`` (libcrypto's, the CPU's SHA instructions where it
-has them) or ``portable`` (``sha256.h``'s own), unless ``KVCACHE_NATIVE_SHA256=portable``."""
-if os.environ.get("KVCACHE_NATIVE_SHA256", "") != "portable":
-    for _soname in (b"libcrypto.so.3", b"libcrypto.so"):
-        if kv_sha256_use_openssl(_soname):
-            sha256_backend = "openssl"
-            break
+has them) or ``portable`` (``sha256.h``'s own), which ``KVCACHE_NATIVE_SHA256=portable`` forces."""
 
 
 def sha256_portable(bytes data):
