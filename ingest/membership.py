@@ -174,6 +174,29 @@ class RedisMembership:
             raise IndexUnavailable(f"the index's Redis (replica membership) is unreachable: {e}") from e
 
 
+class SoloMembership:
+    """A membership of one, in this process: its replica is always the only live member, so it
+    holds every enabled pod with an event endpoint, and follows the registry as replicas do.
+    What a process that keeps an index of its own runs (``--index in-process``): each such
+    process subscribes to every pod itself, and none shares anything with another."""
+
+    def __init__(self) -> None:
+        self._member: str | None = None
+
+    def heartbeat(self, name: str, *, token: str, ttl: float) -> list[str]:
+        if not name:
+            raise ValueError("a replica needs a name")
+        self._member = name
+        return [name]
+
+    def members(self) -> list[str]:
+        return [self._member] if self._member is not None else []
+
+    def leave(self, name: str, *, token: str) -> None:
+        if name == self._member:
+            self._member = None
+
+
 def open_membership(url: str, *, timeout: float = 2.0) -> RedisMembership:
     """Membership in the Redis the index URL names (``kvindex.open_index``'s URLs):
     ``redis://``, ``rediss://``, ``unix://`` or ``redis-cluster://host:port[,host:port...]``.
