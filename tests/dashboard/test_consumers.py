@@ -13,7 +13,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from dashboard import sampler as sampler_module
 from dashboard.sampler import FleetSampler
 from ingest.events import BlockRemoved
-from ingest.management.commands.ingest import Housekeeping
+from ingest.service import Housekeeping
 from kvindex import open_index
 from registry.models import Pod
 from registry.runtime import set_index

@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from ingest.events import DEFAULT_LIMITS, DecodeLimits, encode_batch, encode_message
-from ingest.management.commands.ingest import Housekeeping
 from ingest.pipeline import IngestPipeline
+from ingest.service import Housekeeping
 from kvindex import KVIndex, open_index
 from registry.config import ServiceConfig
 from registry.runtime import set_index

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from ingest.history import HistoryRecorder
-from ingest.management.commands.ingest import Housekeeping
+from ingest.service import Housekeeping
 from kvindex.shared_stats import HISTORY_LEVELS, HistoryLevel, read_history, record_point
 from tests.events import stored_event
 from tests.ingest.conftest import Harness, ingest_housekeeping

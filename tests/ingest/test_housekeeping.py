@@ -8,8 +8,8 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-import ingest.management.commands.ingest as housekeeping_module
-from ingest.management.commands.ingest import Housekeeping
+import ingest.service as housekeeping_module
+from ingest.service import Housekeeping
 from ingest.stats import IngestStats
 from kvindex import MemoryIndex, StoredBlock
 from kvindex.dynamo import PRUNE_GRACE_SECONDS, DynamoBlock, MemoryDynamoBlockStore

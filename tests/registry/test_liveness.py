@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 
-from ingest.management.commands.ingest import Housekeeping
+from ingest.service import Housekeeping
 from ingest.stats import IngestStats
 from kvindex import KVIndex, StoredBlock, open_index
 from kvindex.keys import block_digest, block_keys, key_of, root_digest
