@@ -54,20 +54,20 @@ def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
     return created
 
 
-def register_pods(pods: Iterable[tuple[str, str, str, str]]) -> None:
+def register_pods(
+    pods: Iterable[tuple[str, str, str, str]], *, event_endpoints: Mapping[str, str] | None = None
+) -> None:
     """Announce ``(pod, model, address, replay_endpoint)`` (a fleet that knows its pods, e.g. the
-    simulator): new pods are created, known ones get these values; enabled and health stay."""
+    simulator), and where the engines' KV-event PUBs bind (``event_endpoints``: pod -> endpoint,
+    for the pods whose PUB binds): new pods are created, known ones get these values; enabled and
+    health stay."""
+    event_endpoints = event_endpoints or {}
     with transaction.atomic():
         for pod_id, model, address, replay_endpoint in pods:
-            Pod.objects.update_or_create(
-                pod_id=pod_id,
-                defaults={
-                    "model": model,
-                    "address": address,
-                    "replay_endpoint": replay_endpoint,
-                    "registered": True,
-                },
-            )
+            values = {"model": model, "address": address, "replay_endpoint": replay_endpoint}
+            if pod_id in event_endpoints:
+                values["event_endpoint"] = event_endpoints[pod_id]
+            Pod.objects.update_or_create(pod_id=pod_id, defaults={**values, "registered": True})
     invalidate_service_config()
 
 

@@ -35,6 +35,7 @@ from simulator.config import (
 )
 from simulator.fleet import Fleet, FleetConfig, PublishConfig
 from simulator.pod import PodTokenizer
+from simulator.publisher import should_bind
 from tokenization.tokenizers import TokenizerError, TokenizerRegistry
 
 _NO_ENDPOINT = ("", "none", "off")
@@ -153,6 +154,22 @@ def announced(fleet: Fleet) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def announced_event_endpoints(fleet: Fleet) -> dict[str, str]:
+    """pod -> where its rank 0's KV-event PUB binds (connectable: a wildcard bind is named by the
+    pod's host), for the pods whose PUB binds (none when the PUBs connect to ingest): what a
+    subscriber that connects to each engine (``ingest --replica``, ``--index in-process``) needs."""
+    found = {}
+    for pod in fleet.pods:
+        if not pod.publishers or not should_bind(pod.publishers[0].endpoint):
+            continue
+        host = pod.url.removeprefix("http://").rpartition(":")[0]
+        bound = pod.publishers[0].bound_endpoint
+        found[pod.pod_id] = bound.replace("tcp://0.0.0.0:", f"tcp://{host}:").replace(
+            "tcp://[::]:", f"tcp://{host}:"
+        )
+    return found
+
+
 class Command(BaseCommand):
     help = "Run N simulated vLLM pods (OpenAI HTTP + KV events over ZeroMQ) in one process."
 
@@ -215,8 +232,9 @@ class Command(BaseCommand):
         events.add_argument(
             "--register",
             action="store_true",
-            help="Write each pod's address and replay endpoint into the pod registry once serving "
-            "(what a deployment would tell the registry about real engines).",
+            help="Write each pod's address, replay endpoint and, when its PUB binds, its event endpoint "
+            "into the pod registry once serving (what a deployment would tell the registry about real "
+            "engines).",
         )
 
         engine = parser.add_argument_group("engine")
@@ -313,8 +331,10 @@ class Command(BaseCommand):
                     f"  events over CURVE, the pods' public key {c.publish.curve.keys.public.decode()}"
                 )
             if self.register:
-                await sync_to_async(register_pods)(announced(fleet))
-                self.stdout.write("  registered: addresses and replay endpoints are in the pod registry")
+                events = announced_event_endpoints(fleet)
+                await sync_to_async(register_pods)(announced(fleet), event_endpoints=events)
+                what = "addresses, replay endpoints" + (" and event endpoints" if events else "")
+                self.stdout.write(f"  registered: {what} are in the pod registry")
             self.stdout.flush()
             await stop.wait()
         for sig in (signal.SIGINT, signal.SIGTERM):
