@@ -1,7 +1,11 @@
 """ASGI entry point of ``manage.py gateway``: the gateway core (``gateway.app``) with the Django
 shell's handles (registry snapshot, index, tokenizers, template sandbox) and settings. At start-up
-the registry's models' tokenizers are loaded, so no first request waits for one."""
+the registry's models' tokenizers are loaded, so no first request waits for one. With ``--index
+in-process`` the worker keeps its own index and starts the ingest that fills it first
+(``ingest.in_process``), its counters on the gateway's ``/metrics``."""
 
+import asyncio
+import logging
 import os
 
 import django
@@ -11,8 +15,13 @@ django.setup()
 
 from django.conf import settings  # noqa: E402
 
+from gateway import metrics  # noqa: E402
 from gateway.app import GatewayApp, GatewayHandles, GatewaySettings  # noqa: E402
+from ingest.in_process import IngestSetupError, InProcessIndex  # noqa: E402
 from registry import runtime  # noqa: E402
+
+log = logging.getLogger("gateway")
+in_process = InProcessIndex.from_environment()
 
 gateway = GatewayApp(
     GatewayHandles(
@@ -50,11 +59,21 @@ async def lifespan(receive, send):
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            if in_process is not None:
+                try:  # off the loop: it reads the registry
+                    await asyncio.get_running_loop().run_in_executor(None, in_process.start)
+                except IngestSetupError as error:
+                    await send({"type": "lifespan.startup.failed", "message": str(error)})
+                    return
+                in_process.register_metrics(metrics.REGISTRY)
+                log.info("%s", in_process.describe())
             await runtime.warm_up()
             await gateway.startup()
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await gateway.shutdown()
             runtime.close_sandbox()
+            if in_process is not None:
+                await asyncio.get_running_loop().run_in_executor(None, in_process.stop)
             await send({"type": "lifespan.shutdown.complete"})
             return

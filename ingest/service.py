@@ -374,6 +374,11 @@ class Housekeeping:
             prober.start()
 
     def run_once(self) -> None:
+        if self.follower is not None:  # first: a pod it forgets is not registered again from old events
+            try:
+                self.follower.run_once()
+            except Exception:
+                log.exception("could not follow the registry's changes into this process's index")
         try:
             self._forget_evicted()
         except Exception:
@@ -390,11 +395,6 @@ class Housekeeping:
             self._record_learned_groups()
         except Exception:
             log.exception("could not record the KV-cache groups learned from events")
-        if self.follower is not None:
-            try:
-                self.follower.run_once()
-            except Exception:
-                log.exception("could not follow the registry's changes into this process's index")
         snapshot = {**self.stats.snapshot(), "instance": self._instance}
         if self._redis is not None:
             try:

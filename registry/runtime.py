@@ -57,6 +57,7 @@ def invalidate_service_config() -> None:
 
 _index: KVIndex | None = None
 _index_lock = threading.Lock()
+_own_index = False
 
 
 def index_url() -> str:
@@ -82,7 +83,7 @@ def index_options() -> dict[str, str]:
     ``KVCACHE_INDEX_LAYOUT`` (``fast`` or ``compact``); the in-process index has one layout
     (``ValueError`` for another)."""
     layout = settings.KVCACHE_INDEX_LAYOUT
-    if index_is_shared():
+    if not index_url().startswith("memory://"):
         return {"layout": layout}
     if layout != "fast":
         raise ValueError(f"KVCACHE_INDEX_LAYOUT={layout!r} is for a Redis index (redis, redis-cluster://)")
@@ -90,9 +91,10 @@ def index_options() -> dict[str, str]:
 
 
 def index_is_shared() -> bool:
-    """Whether the index lives in Redis (one server or a cluster), shared by every process: then
-    the processes also share their stats and traffic through ``REDIS_URL``."""
-    return not index_url().startswith("memory://")
+    """Whether this process's index lives in Redis (one server or a cluster), shared by every
+    process: then the processes also share their stats and traffic through ``REDIS_URL``. Not
+    when the process keeps an index of its own (``use_own_index``)."""
+    return not _own_index and not index_url().startswith("memory://")
 
 
 def connect_index(*, timeout: float) -> KVIndex:
@@ -119,10 +121,21 @@ def get_index() -> KVIndex:
 
 def set_index(index: KVIndex | None) -> None:
     """Replace this process's index (tests, and ``ingest`` sharing its in-memory index)."""
-    global _index, _epoch_watch
+    global _index, _epoch_watch, _own_index
     with _index_lock:
         _index = index
         _epoch_watch = EpochWatch()
+        _own_index = False
+
+
+def use_own_index(index: KVIndex) -> None:
+    """This process keeps an index of its own, ``index``, which it fills itself (``--index
+    in-process``: ``ingest.in_process``): it replaces the settings' index, and ``index_is_shared``
+    says False from now on (nothing of this process's is shared through Redis)."""
+    global _own_index
+    set_index(index)
+    with _index_lock:
+        _own_index = True
 
 
 _epoch_watch = EpochWatch()
