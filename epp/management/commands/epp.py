@@ -5,7 +5,11 @@ The pods it picks from are the registry's, or, on Kubernetes, an InferencePool's
 reads the pool's selector and target port, ``--pod-selector`` and ``--target-port`` give them
 directly; the ready pods matching it are watched (``epp.kubernetes``, with the pod's service
 account or ``KUBECONFIG``) and serve ``--pool-model``, whose settings (block size, hash seed...)
-stay the registry's."""
+stay the registry's.
+
+``--index in-process``: the picker keeps its own index and subscribes to the engines' KV events
+itself (``ingest.in_process``): the registry's pods' event endpoints, and ``--ingest-connect`` /
+``--ingest-bind`` for a pool's engines, which the registry does not list."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from epp.kubernetes import (
 )
 from epp.server import PickerSettings
 from epp.service import PickerService
+from ingest import in_process
 from registry import runtime
 from routing.policies import POLICIES
 from routing.router import Router, RouterHandles, RouterSettings
@@ -83,6 +88,7 @@ class Command(BaseCommand):
             default=None,
             help="write the live pods here for Envoy's pool cluster (deploy/envoy/envoy.yaml's EDS file)",
         )
+        in_process.add_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -92,7 +98,21 @@ class Command(BaseCommand):
             raise CommandError("--pod-selector needs --target-port")
         if (options["pool_name"] or options["pod_selector"]) and not options["pool_model"]:
             raise CommandError("a pool needs --pool-model: the model its pods serve")
-        asyncio.run(self._serve(**options))  # SIGINT and SIGTERM stop it in order
+        try:
+            ingest = in_process.options_from(options)
+            index = in_process.InProcessIndex(ingest) if ingest is not None else None
+            if index is not None:  # before the event loop: it reads the registry
+                index.start()
+        except in_process.IngestSetupError as error:
+            raise CommandError(str(error)) from None
+        try:
+            if index is not None:
+                index.register_metrics(metrics.REGISTRY)
+                self.stdout.write(index.describe())
+            asyncio.run(self._serve(**options))  # SIGINT and SIGTERM stop it in order
+        finally:
+            if index is not None:
+                index.stop()
 
     async def _serve(
         self,
