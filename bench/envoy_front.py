@@ -24,7 +24,8 @@ PICK_SECONDS = "kvcache_epp_pick_seconds"
 
 
 class EnvoyFront:
-    def __init__(self, env: dict, policy: str, run_dir: Path, *, model: str) -> None:
+    def __init__(self, env: dict, policy: str, run_dir: Path, *, model: str, index: str = "shared") -> None:
+        """``index``: the picker's (``manage.py epp --index``): ``in-process`` keeps its own."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.grpc_port, self.metrics_port, self.port = free_port(), free_port(), free_port()
         endpoints = run_dir / f"pool-{self.port}.json"
@@ -33,7 +34,8 @@ class EnvoyFront:
         log = (run_dir / f"epp-{policy}-{self.port}.log").open("ab")
         self.epp = subprocess.Popen(
             [sys.executable, "manage.py", "epp", "--grpc-port", str(self.grpc_port), "--metrics-port",
-             str(self.metrics_port), "--policy", policy, "--endpoints-file", str(endpoints)],
+             str(self.metrics_port), "--policy", policy, "--endpoints-file", str(endpoints),
+             "--index", index],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.envoy = subprocess.Popen(

@@ -6,7 +6,9 @@ Real processes: Valkey, ``manage.py simulate`` (2 zero-latency pods, registered 
 addresses), ``manage.py ingest`` (their KV events), ``manage.py gateway --workers 1`` with the
 policy under test. Requests are sequential, non-streaming, one output token, over kept-alive
 connections; direct and gateway requests alternate, so both see the same machine. The overhead
-is the gateway's latency minus the direct one (medians, and per percentile).
+is the gateway's latency minus the direct one (medians, and per percentile). ``--index
+in-process``: the gateway and the picker keep their own index (``--index in-process``), subscribed
+to the pods, which bind their KV-event sockets (ingest connects to them too).
 
 Prompts: *short* (a ~60-token completion prompt), *chat* (a ~3,000-token system prompt plus a
 question: the prefix store and the chain memo reuse all but the question) and *distinct* (each
@@ -34,7 +36,7 @@ Envoy, requests/s and each process's CPU per request.
 
     .venv/bin/python bench/gateway.py [--requests 300] [--policies kv-load,random]
         [--prompts short,chat,distinct] [--load-qps 6] [--load-requests 240]
-        [--loops asyncio,uvloop] [--no-envoy] [--rate-connections 16,64] [--out FILE]
+        [--loops asyncio,uvloop] [--no-envoy] [--rate-connections 16,64] [--index in-process] [--out FILE]
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class Stack:
     addresses, publishing to ingest; ``simulate_args`` set their engine and latency) as child
     processes; gateways are started and stopped on top of them. With ``bind_events`` each pod
     binds its KV-event socket (vLLM's default; ``events_endpoint``, pod ``i`` on its port + i) and
-    ingest connects to each, so that other subscribers (Dynamo's router) can connect too."""
+    ingest connects to each, so that other subscribers (Dynamo's router, a gateway with an
+    in-process index) can connect too."""
 
     def __init__(
         self, *, pods: int = 2, simulate_args: tuple[str, ...] = ZERO_LATENCY, bind_events: bool = False
@@ -108,6 +111,7 @@ class Stack:
             KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT="0",
         )
         self.pod_port = free_port_range(pods)
+        self.binds_events = bind_events
         if bind_events:
             events_port = free_port_range(pods)
             self.events_endpoint = f"tcp://*:{events_port}"
@@ -148,20 +152,23 @@ class Stack:
             stderr=subprocess.DEVNULL,
         )
 
-    def start_gateway(self, policy: str, loop: str = "asyncio") -> str:
+    def start_gateway(self, policy: str, loop: str = "asyncio", *, index: str = "shared") -> str:
         """One more gateway (one worker) with ``policy`` on event loop ``loop``; its base URL once
-        it serves the model."""
+        it serves the model. ``index="in-process"``: the gateway keeps its own index, subscribed
+        to the pods' event endpoints (registered by ``simulate --register``: ``bind_events``)."""
+        if index == "in-process" and not self.binds_events:
+            raise ValueError("an in-process gateway subscribes to the pods: the stack needs bind_events")
         port = free_port()
-        args = ("--port", str(port), "--workers", "1", "--policy", policy, "--loop", loop)
+        args = ("--port", str(port), "--workers", "1", "--policy", policy, "--loop", loop, "--index", index)
         self.gateways.append(self._start("gateway", *args))
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(f"{url}/v1/models", b"Qwen"), timeout=60, what="the gateway", every=0.1)
         return url
 
-    def start_envoy(self, policy: str) -> str:
-        """Envoy + the Endpoint Picker with ``policy`` (``bench.envoy_front``); Envoy's base URL
-        once a request through it is routed."""
-        front = EnvoyFront(self.env, policy, self.tmp / "envoy", model=MODEL)
+    def start_envoy(self, policy: str, *, index: str = "shared") -> str:
+        """Envoy + the Endpoint Picker with ``policy`` (``bench.envoy_front``) over ``index`` (as
+        ``start_gateway``'s); Envoy's base URL once a request through it is routed."""
+        front = EnvoyFront(self.env, policy, self.tmp / "envoy", model=MODEL, index=index)
         self.fronts.append(front)
         return front.url
 
@@ -462,10 +469,15 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     parser.add_argument("--rate-connections", default="16", help="rate rows over these connections (wrk)")
     parser.add_argument("--rate-seconds", type=int, default=15)
+    parser.add_argument(
+        "--index", choices=("shared", "in-process"), default="shared",
+        help="the gateway's and the picker's index: Valkey's, filled by ingest (default), or their own "
+        "(--index in-process: each subscribes to the pods, which then bind their event sockets)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "var" / "bench" / "gateway.json")
     args = parser.parse_args(argv)
-    report: dict = {"machine": machine(requests=args.requests), "results": []}
-    stack = Stack()
+    report: dict = {"machine": machine(requests=args.requests), "index": args.index, "results": []}
+    stack = Stack(bind_events=args.index == "in-process")
     try:
         if args.envoy:  # Envoy's own hop and the ext_proc exchange, before any policy's choice
             pod_address = stack.pod_url.removeprefix("http://")
@@ -485,11 +497,11 @@ def main(argv: list[str] | None = None) -> dict:
         for loop in args.loops.split(","):
             for policy in args.policies.split(","):
                 stack.stop_gateways()
-                url = stack.start_gateway(policy, loop)
+                url = stack.start_gateway(policy, loop, index=args.index)
                 pid = stack.gateways[-1].pid
                 front = None
                 if args.envoy:
-                    stack.start_envoy(policy)
+                    stack.start_envoy(policy, index=args.index)
                     front = stack.fronts[-1]
                 rows = [
                     (kind, functools.partial(measure, url, pid, stack.pod_url, kind, args.requests, front))

@@ -16,7 +16,9 @@ installed them, ``vllm-router`` with ``cache_aware`` and ``round_robin`` and ``s
 router fed by the pods' own KV events (``bench/dynamo.py``: the pods bind their event sockets, as
 vLLM's do, and ingest and Dynamo both subscribe); ``envoy:<policy>``: a real Envoy routed by our
 Endpoint Picker with a gateway policy (``bench/envoy_front.py``, ``make envoy``): the same choice,
-made over ext_proc, the bytes carried by Envoy.
+made over ext_proc, the bytes carried by Envoy; ``<policy>@in-process``: the gateway with that
+policy keeping its own index (``manage.py gateway --index in-process``: it subscribes to every
+pod's KV events itself, as Dynamo's router does) instead of reading Valkey's, which ingest fills.
 
 Workloads (:data:`WORKLOADS`):
 
@@ -139,6 +141,8 @@ DEFAULT_ROUTERS = (
 DYNAMO = "dynamo:kv"
 ENVOY = "envoy:"
 """``envoy:<policy>``: Envoy + the Endpoint Picker with a gateway policy (``bench.envoy_front``)."""
+IN_PROCESS = "@in-process"
+"""``<policy>@in-process``: the gateway with a policy of its own index (``--index in-process``)."""
 TTFT_LIMIT_S = 2.0
 
 
@@ -254,6 +258,15 @@ hits in whole pairs."""
 # -- routers -------------------------------------------------------------------------------
 
 
+def gateway_of(router: str) -> tuple[str, str] | None:
+    """``(policy, index)`` of a router that is our gateway (index ``shared`` or ``in-process``);
+    ``None`` for the others."""
+    policy = router.removesuffix(IN_PROCESS)
+    if policy not in GATEWAY_POLICIES:
+        return None
+    return policy, "in-process" if router.endswith(IN_PROCESS) else "shared"
+
+
 class Routers:
     """Starts a router's replicas in front of the stack's pods and stops them again."""
 
@@ -286,8 +299,10 @@ class Routers:
             self.peers.clear()
 
     def _start(self, router: str, replica: int) -> str:
-        if router in GATEWAY_POLICIES:
-            return self.stack.start_gateway(router)
+        gateway = gateway_of(router)
+        if gateway is not None:
+            policy, index = gateway
+            return self.stack.start_gateway(policy, index=index)
         if router.startswith(ENVOY):
             return self.stack.start_envoy(router.removeprefix(ENVOY))
         if router == DYNAMO:
@@ -315,7 +330,7 @@ class Routers:
             counts = zip(*(p.counts for p in picks), strict=True)
             quantile = Buckets(picks[0].bounds, tuple(map(sum, counts))).quantile(0.5)
             return None if quantile is None else 1000 * quantile
-        if router not in GATEWAY_POLICIES:
+        if gateway_of(router) is None:
             return None
         texts = [httpx.get(f"{url}/metrics", timeout=5).text for url in urls]
         histograms = [parse_gateway_metrics(text).overhead for text in texts]
@@ -352,14 +367,15 @@ def run(args: argparse.Namespace) -> dict:
         name, _, policy = router.partition(":")
         known = router == DYNAMO or (name in PEERS and policy in PEERS[name].policies)
         known = known or (router.startswith(ENVOY) and policy in GATEWAY_POLICIES)
-        if router not in GATEWAY_POLICIES and not known:
+        if gateway_of(router) is None and not known:
             raise SystemExit(
-                f"unknown router {router!r}: a gateway policy, envoy:<policy>, <peer>:<policy> or {DYNAMO}"
+                f"unknown router {router!r}: a gateway policy (<policy>{IN_PROCESS}: with its own "
+                f"index), envoy:<policy>, <peer>:<policy> or {DYNAMO}"
             )
     if DYNAMO in routers and not dynamo_installed():
         print("Dynamo's router is not installed (make bench-dynamo): running without it", file=sys.stderr)
         routers.remove(DYNAMO)
-    peers = [r for r in routers if r not in GATEWAY_POLICIES and r != DYNAMO and not r.startswith(ENVOY)]
+    peers = [r for r in routers if gateway_of(r) is None and r != DYNAMO and not r.startswith(ENVOY)]
     if peers and not peers_installed():
         print("the peer routers are not installed (make bench-peers): running without them", file=sys.stderr)
         routers = [r for r in routers if r not in peers]
@@ -748,7 +764,7 @@ def plot(runs: list[dict], path: Path) -> Path:
                 if s["workload"] == workload and s["router"] == router and s["ttft_s"]["p90"]
             )
             if points:
-                style = "-" if router in GATEWAY_POLICIES else "--"
+                style = "-" if gateway_of(router) is not None else "--"
                 ax.plot(*zip(*points, strict=True), style, marker="o", label=router, color=colors[router])
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(seconds)

@@ -215,14 +215,21 @@ class VllmSystem:
         [engine] = start_engines([self.specs[pod]], vllm=VLLM, var=self.tmp, out=self._engine_log)
         self.engines[pod] = engine
 
-    def start_gateway(self, policy: str) -> str:
+    def start_gateway(self, policy: str, *, index: str = "shared") -> str:
         """One more gateway (one worker) routing with ``policy``; its base URL once it serves
-        the model (``bench/routing.py``'s fleet interface, as ``bench.gateway.Stack``'s)."""
+        the model (``bench/routing.py``'s fleet interface, as ``bench.gateway.Stack``'s).
+        ``index="in-process"``: the gateway keeps its own index and connects to each engine's
+        KV-event PUB itself (``bind_events``), as ingest does."""
         port = free_port()
+        sockets = []
+        if index == "in-process":
+            if "--connect" not in self._ingest_sockets:
+                raise ValueError("an in-process gateway subscribes to the engines: bind_events=True")
+            sockets = [a.replace("--connect", "--ingest-connect") for a in self._ingest_sockets]
         self.gateways.append(
             subprocess.Popen(
                 [sys.executable, "manage.py", "gateway", "--host", "127.0.0.1", "--port", str(port),
-                 "--workers", "1", "--policy", policy],
+                 "--workers", "1", "--policy", policy, "--index", index, *sockets],
                 cwd=ROOT,
                 env=self.env,
                 stdout=(self._logs / f"gateway-{policy}.log").open("ab"),

@@ -241,6 +241,29 @@ def test_a_trace_workload_is_replayed_whole_and_its_goodput_searched(tmp_path, m
     assert summary["prefix_reuse_est"] > 0
 
 
+def test_a_gateway_router_names_its_policy_and_its_index():
+    assert routing.gateway_of("kv-load") == ("kv-load", "shared")
+    assert routing.gateway_of("kv-load@in-process") == ("kv-load", "in-process")
+    assert routing.gateway_of("nope@in-process") is None
+    assert routing.gateway_of("smg:cache_aware") is None
+    with pytest.raises(SystemExit, match="unknown router 'nope@in-process'"):
+        routing.run(routing.parse_args(["--workloads", "hot", "--routers", "nope@in-process"]))
+
+
+def test_the_gateway_with_its_own_index_runs_in_front_of_the_same_pods(tmp_path):
+    """``<policy>@in-process``: the same benchmark with the gateway subscribing to the pods' KV
+    events itself (``--index in-process``), for its replicas too."""
+    runs = routing.main(
+        ["--workloads", "replicas", "--routers", "kv-load@in-process", "--qps", "4", "--duration", "2",
+         "--pods", "2", "--max-tokens", "4", "--out", str(tmp_path / "routing.json"), "--no-plot"]
+    )  # fmt: skip
+    (summary,) = runs
+    assert summary["router"] == "kv-load@in-process"
+    assert summary["failed"] == 0 and summary["ok"] == summary["requests"] > 0
+    assert set(summary["pod_requests"]) <= {"sim-0", "sim-1"}
+    assert 0 < summary["overhead_p50_ms"] < 1000  # our gateway: its own time is read
+
+
 @pytest.mark.skipif(not dynamo_installed(), reason="Dynamo is not installed: make bench-dynamo")
 def test_dynamos_router_runs_in_front_of_the_same_pods_on_their_own_events(tmp_path):
     (summary,) = routing.main(
