@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from django.core.management import CommandError, call_command
 
 from tests.ports import free_port
 from tests.simulated_fleet import MODEL, Process, SimulatedFleet, eventually, per_pod, prompt, samples
@@ -144,3 +145,13 @@ def test_a_pod_deleted_from_the_registry_is_let_go_and_forgotten(stack: Stack):
         eventually(forgotten, timeout=10, what="sim-0 let go and forgotten")
         assert "pod sim-0 left the registry" in gateway.process.output()
         assert routed(gateway.url, text)[0] == "sim-1"  # the only pod left
+
+
+def test_the_command_refuses_what_an_in_process_index_cannot_do(settings):
+    with pytest.raises(CommandError, match="one worker process"):
+        call_command("gateway", index="in-process", workers=2)
+    with pytest.raises(CommandError, match="go with --index in-process"):
+        call_command("gateway", ingest_connect=["tcp://127.0.0.1:5557"])
+    settings.KVCACHE_IN_PROCESS_INDEX = "redis://127.0.0.1:6379/0"
+    with pytest.raises(CommandError, match="KVCACHE_IN_PROCESS_INDEX must be a memory:// URL"):
+        call_command("gateway", index="in-process")
