@@ -7,7 +7,7 @@
 | KVCACHE_IN_PROCESS_INDEX | memory:// | the index of a gateway or EPP run with ``--index in-process`` |
 | KVCACHE_INDEX_LAYOUT | fast | a Redis index's layout (one server or a cluster): ``fast`` or ``compact`` |
 | KVCACHE_INDEX_TIMEOUT | 1.0 | seconds a Redis index may take to connect or reply (then 503) |
-| KVCACHE_NATIVE | 1 | ``0``: the pure-Python key chain and memory maps even where ``kvindex/native`` is built |
+| KVCACHE_NATIVE | 1 | ``0``: the pure-Python key chain and memory maps even where they are compiled |
 | KVCACHE_INGEST_INDEX_TIMEOUT | 10.0 | the same for ``ingest``, whose writes may queue behind others |
 | DATABASE_URL | sqlite:///var/db.sqlite3 | pod registry, model configs, hash seed |
 | SECRET_KEY | generated into var/secret_key | Django's signing key |
