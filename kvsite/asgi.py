@@ -13,9 +13,12 @@
   first request waits for either), the start-up heap is frozen out of the garbage collector's
   reach, and a ``manage.py serve`` process starts sharing its scoring traffic for the
   dashboard's history (``dashboard.traffic``); at shutdown the fast path's threads and template
-  sandbox stop.
+  sandbox stop. With ``serve --index in-process`` the worker first opens its own index and starts
+  the ingest that fills it (``ingest.in_process``), its counters on ``/metrics``.
 """
 
+import asyncio
+import logging
 import os
 import sys
 
@@ -28,13 +31,16 @@ django_asgi_app = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from prometheus_client import REGISTRY  # noqa: E402
 
 from dashboard import traffic  # noqa: E402
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
+from ingest.in_process import IngestSetupError, InProcessIndex  # noqa: E402
 from registry import runtime  # noqa: E402
 from scoring.fastpath.kv_indexer import KVIndexerApp  # noqa: E402
 from scoring.wiring import build_scoring_app  # noqa: E402
 
+in_process = InProcessIndex.from_environment()
 scoring_app = build_scoring_app()
 kv_indexer_app = KVIndexerApp(scoring_app)
 FAST_PATHS = frozenset(scoring_app.PATHS)
@@ -61,6 +67,14 @@ async def lifespan(receive, send):
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            if in_process is not None:
+                try:  # off the loop: it reads the registry
+                    await asyncio.get_running_loop().run_in_executor(None, in_process.start)
+                except IngestSetupError as error:
+                    await send({"type": "lifespan.startup.failed", "message": str(error)})
+                    return
+                in_process.register_metrics(REGISTRY)
+                logging.getLogger("serve").info("%s", in_process.describe())
             await runtime.warm_up()
             # A thread doing Python work (keys of a long prompt, a prefix store update) gives the
             # event loop the GIL back within 1 ms, not 5: small requests wait less behind it.
@@ -71,5 +85,7 @@ async def lifespan(receive, send):
             scoring_app.close()
             runtime.close_sandbox()
             runtime.close_large_prompts()
+            if in_process is not None:
+                await asyncio.get_running_loop().run_in_executor(None, in_process.stop)
             await send({"type": "lifespan.shutdown.complete"})
             return

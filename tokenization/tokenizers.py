@@ -148,6 +148,13 @@ class _Found:
     path: Path  # a tokenizer.json
 
 
+ABSENT_SECONDS = 10.0
+"""How long a model no tokenizer source has stays known as such: a source configured since (the
+registry, a file) is found within this long."""
+MAX_ABSENT_MODELS = 4096
+"""Models remembered as having no tokenizer (the least recently looked for go first)."""
+
+
 class TokenizerRegistry:
     """Resolves, loads and caches tokenizers by model name; tokenizes through a prefix store.
 
@@ -190,6 +197,9 @@ class TokenizerRegistry:
         self._loaded: OrderedDict[str, LoadedTokenizer] = OrderedDict()
         self._in_flight: dict[str, Future[LoadedTokenizer]] = {}
         self._hub_attempts: OrderedDict[str, tuple[float, Future[Path]]] = OrderedDict()
+        # model -> (until when, the error): no source had it, looked up less than
+        # ABSENT_SECONDS ago (a request sending token ids for such a model probes nothing).
+        self._absent: OrderedDict[str, tuple[float, list[str]]] = OrderedDict()
         self._lock = threading.Lock()
 
     def tokenize(self, model: str, prompt: str, *, max_tokens: int | None = None) -> Tokenization:
@@ -207,12 +217,19 @@ class TokenizerRegistry:
         return Tokenization(ids, from_prefix_store=False, elapsed=time.perf_counter() - started)
 
     def get(self, model: str) -> LoadedTokenizer:
-        """The model's tokenizer, loading it on first use. Concurrent first uses load it once."""
+        """The model's tokenizer, loading it on first use. Concurrent first uses load it once. A
+        model no source has raises ``TokenizerNotFound`` again without a look for
+        ``ABSENT_SECONDS``."""
         with self._lock:
             loaded = self._loaded.get(model)
             if loaded is not None:
                 self._loaded.move_to_end(model)
                 return loaded
+            absent = self._absent.get(model)
+            if absent is not None:
+                if absent[0] > time.monotonic():
+                    raise TokenizerNotFound(model, absent[1])  # a new one: no traceback piles up
+                del self._absent[model]
             flight = self._in_flight.get(model)
             leader = flight is None
             if flight is None:
@@ -224,6 +241,11 @@ class TokenizerRegistry:
         except BaseException as error:
             with self._lock:
                 del self._in_flight[model]
+                if isinstance(error, TokenizerNotFound):
+                    self._absent[model] = (time.monotonic() + ABSENT_SECONDS, list(error.tried))
+                    self._absent.move_to_end(model)
+                    while len(self._absent) > MAX_ABSENT_MODELS:
+                        self._absent.popitem(last=False)
             flight.set_exception(error)
             raise
         with self._lock:
@@ -245,6 +267,13 @@ class TokenizerRegistry:
         """The model's tokenizer if it is loaded already (never loads, never probes a source)."""
         with self._lock:
             return self._loaded.get(model)
+
+    def known_absent(self, model: str) -> bool:
+        """Whether no source had ``model``'s tokenizer when last looked for (less than
+        ``ABSENT_SECONDS`` ago): ``get`` raises at once (never loads, never probes)."""
+        with self._lock:
+            absent = self._absent.get(model)
+            return absent is not None and absent[0] > time.monotonic()
 
     def cached_models(self) -> list[str]:
         """Models whose tokenizer is loaded, least recently used first."""

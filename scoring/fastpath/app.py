@@ -242,7 +242,8 @@ class ScoringApp:
             return False
         if config.model(request.model).max_model_len is not None:
             return True
-        return self.handles.tokenizers(config).loaded(request.model) is not None
+        tokenizers = self.handles.tokenizers(config)
+        return tokenizers.loaded(request.model) is not None or tokenizers.known_absent(request.model)
 
     async def _score_batch(self, body: bytes, settings: FastPathSettings) -> _Answer:
         batch = await self._decode(body, ScoreBatchRequest, settings)

@@ -20,6 +20,7 @@ import pytest
 from tests.servers import frozen_server
 from tests.tokenization import qwen_tokenizer_dir, train_tiny_tokenizer
 from tokenization.tokenizers import (
+    ABSENT_SECONDS,
     SOURCE_CONFIG,
     SOURCE_HUB,
     SOURCE_QWEN_PACKAGE,
@@ -416,3 +417,29 @@ def test_tokenizers_that_mark_the_start_of_text_are_not_reused_from_the_prefix_s
     assert registry.get("sp").supports_prefix_reuse is False
     assert again.from_prefix_store is False
     assert again.token_ids == registry.get("sp").encode(prompt).ids
+
+
+def test_a_model_no_source_has_is_not_looked_for_again_for_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client sending token ids for a model without a tokenizer costs no look-up per request:
+    the answer is remembered ``ABSENT_SECONDS``, then asked again (a source configured since is
+    found)."""
+    asked: list[str] = []
+    sources: dict[str, str] = {}
+
+    def source(model: str) -> str | None:
+        asked.append(model)
+        return sources.get(model)
+
+    registry = TokenizerRegistry(model_sources=source, tokenizers_dir=tmp_path, use_qwen_package=False)
+    assert not registry.known_absent("acme/none")
+    for _ in range(3):
+        with pytest.raises(TokenizerNotFound):
+            registry.get("acme/none")
+    assert asked == ["acme/none"] and registry.known_absent("acme/none")
+
+    sources["acme/none"] = str(qwen_tokenizer_dir())
+    monkeypatch.setattr(time, "monotonic", lambda real=time.monotonic: real() + ABSENT_SECONDS + 1)
+    assert not registry.known_absent("acme/none")
+    assert registry.get("acme/none").model == "acme/none"
