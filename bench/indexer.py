@@ -327,8 +327,8 @@ class InProcess(System):
     """``manage.py serve --index in-process``: one process subscribes to the publishers, keeps the
     index in its memory (the compiled maps) and answers the queries; no Valkey."""
 
-    def __init__(self, endpoints: list[str], pods: list[str], tmp: Path) -> None:
-        self.name = "ours, in-process (serve --index in-process)"
+    def __init__(self, endpoints: list[str], pods: list[str], tmp: Path, workers: int) -> None:
+        self.name = f"ours, in-process (serve --index in-process --ingest-workers {workers})"
         self.env = project_env(tmp, "redis://127.0.0.1:1/0", KVCACHE_INDEX_BACKEND="memory")
         port = free_port()
         self.query_url = f"http://127.0.0.1:{port}/api/v1/score"
@@ -336,7 +336,7 @@ class InProcess(System):
         sockets = [arg for endpoint in endpoints for arg in ("--ingest-connect", endpoint)]
         self.web = subprocess.Popen(
             [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1", "--index", "in-process", *sockets],
+             "--workers", "1", "--index", "in-process", "--ingest-workers", str(workers), *sockets],
             cwd=ROOT, env=self.env, stdout=(tmp / "ours.log").open("ab"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="the web", every=0.1)
@@ -536,6 +536,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--blocks", default="81920,327680")
     parser.add_argument("--dynamo-threads", default="1,2")
     parser.add_argument("--processes", default="1", help="ours: ingest --processes, each a run")
+    parser.add_argument(
+        "--ingest-workers", default="1", help="ours in-process: serve --ingest-workers, each a run"
+    )
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--query-tokens", type=int, default=2048)
@@ -564,9 +567,12 @@ def main(argv: list[str] | None = None) -> dict:
                         lambda p, n=processes: Ours(p.endpoints, n, Path(tempfile.mkdtemp(dir=work)))
                     )
             if "in-process" in systems:
-                makers.append(
-                    lambda p, w=workload: InProcess(p.endpoints, w.pods, Path(tempfile.mkdtemp(dir=work)))
-                )
+                for threads in (int(n) for n in args.ingest_workers.split(",")):
+                    makers.append(
+                        lambda p, w=workload, t=threads: InProcess(
+                            p.endpoints, w.pods, Path(tempfile.mkdtemp(dir=work)), t
+                        )
+                    )
             for make in makers:
                 result = {"blocks": blocks, **run(make, workload, args, work)}
                 report["results"].append(result)

@@ -51,8 +51,10 @@ __all__ = [
 INDEX_MODES = ("shared", "in-process")
 ENVIRONMENT = "KVCACHE_IN_PROCESS_INGEST"
 """How a command hands the in-process ingest's options to its worker processes (JSON)."""
-DEFAULT_WORKERS = 2
-"""Worker threads of an in-process ingest (a pod always maps to one)."""
+DEFAULT_WORKERS = 1
+"""Worker threads of an in-process ingest (a pod always maps to one). One: the serving process's
+threads share one interpreter lock, and a second worker only adds hand-offs (``bench/indexer.py``,
+327,680 blocks: 5.8 CPU s per million blocks with one, 6.8 with two; docs/performance.md)."""
 DRAIN_SECONDS = 5.0
 """How long a stopping process lets its ingest write what it received (its stop stays under 10 s)."""
 
