@@ -4,7 +4,6 @@ the registry's models' tokenizers are loaded, so no first request waits for one.
 in-process`` the worker keeps its own index and starts the ingest that fills it first
 (``ingest.in_process``), its counters on the gateway's ``/metrics``."""
 
-import asyncio
 import logging
 import os
 
@@ -60,13 +59,11 @@ async def lifespan(receive, send):
         message = await receive()
         if message["type"] == "lifespan.startup":
             if in_process is not None:
-                try:  # off the loop: it reads the registry
-                    await asyncio.get_running_loop().run_in_executor(None, in_process.start)
+                try:
+                    log.info("%s", await in_process.astart(metrics.REGISTRY))
                 except IngestSetupError as error:
                     await send({"type": "lifespan.startup.failed", "message": str(error)})
                     return
-                in_process.register_metrics(metrics.REGISTRY)
-                log.info("%s", in_process.describe())
             await runtime.warm_up()
             await gateway.startup()
             await send({"type": "lifespan.startup.complete"})
@@ -74,6 +71,6 @@ async def lifespan(receive, send):
             await gateway.shutdown()
             runtime.close_sandbox()
             if in_process is not None:
-                await asyncio.get_running_loop().run_in_executor(None, in_process.stop)
+                await in_process.astop()
             await send({"type": "lifespan.shutdown.complete"})
             return

@@ -25,6 +25,7 @@ from one worker in this mode.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
@@ -153,6 +154,17 @@ class InProcessIndex:
         except zmq.ZMQError as error:  # an endpoint that cannot be bound or connected
             raise IngestSetupError(f"the in-process ingest cannot start: {error}") from error
         self.service.start(housekeeping_seconds=1.0)
+
+    async def astart(self, registry: CollectorRegistry) -> str:
+        """``start`` from an event loop (in a thread: it reads the registry), then its counters
+        into ``registry``; returns ``describe()``. ``IngestSetupError`` when it cannot start."""
+        await asyncio.get_running_loop().run_in_executor(None, self.start)
+        self.register_metrics(registry)
+        return self.describe()
+
+    async def astop(self) -> None:
+        """``stop`` from an event loop (in a thread: it drains the ingest)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         """Add the ingest's collectors to ``registry`` (the process's metrics), until ``stop``."""

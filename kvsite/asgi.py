@@ -17,7 +17,6 @@
   the ingest that fills it (``ingest.in_process``), its counters on ``/metrics``.
 """
 
-import asyncio
 import logging
 import os
 import sys
@@ -68,13 +67,11 @@ async def lifespan(receive, send):
         message = await receive()
         if message["type"] == "lifespan.startup":
             if in_process is not None:
-                try:  # off the loop: it reads the registry
-                    await asyncio.get_running_loop().run_in_executor(None, in_process.start)
+                try:
+                    logging.getLogger("serve").info("%s", await in_process.astart(REGISTRY))
                 except IngestSetupError as error:
                     await send({"type": "lifespan.startup.failed", "message": str(error)})
                     return
-                in_process.register_metrics(REGISTRY)
-                logging.getLogger("serve").info("%s", in_process.describe())
             await runtime.warm_up()
             # A thread doing Python work (keys of a long prompt, a prefix store update) gives the
             # event loop the GIL back within 1 ms, not 5: small requests wait less behind it.
@@ -86,6 +83,6 @@ async def lifespan(receive, send):
             runtime.close_sandbox()
             runtime.close_large_prompts()
             if in_process is not None:
-                await asyncio.get_running_loop().run_in_executor(None, in_process.stop)
+                await in_process.astop()
             await send({"type": "lifespan.shutdown.complete"})
             return
