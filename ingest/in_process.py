@@ -1,5 +1,5 @@
-"""``--index in-process``: a router process (the gateway, the Endpoint Picker) that keeps the
-index in its own memory and fills it from the engines' KV events itself, as llm-d's
+"""``--index in-process``: a serving process (the gateway, the Endpoint Picker, the web server) that
+keeps the index in its own memory and fills it from the engines' KV events itself, as llm-d's
 router and Dynamo's do, for fleets that need no shared store. ``--index shared`` (the default)
 reads the index ``KVCACHE_INDEX_BACKEND`` names, which ``manage.py ingest`` fills: the one for
 shared, replicated state.

@@ -4,7 +4,7 @@
 |---|---|---|
 | REDIS_URL | redis://127.0.0.1:6379/0 | the shared index and the channel layer |
 | KVCACHE_INDEX_BACKEND | redis | ``redis``, ``redis-cluster://h:p,h:p``, ``memory`` or ``memory://?...`` |
-| KVCACHE_IN_PROCESS_INDEX | memory:// | the index of a gateway or EPP run with ``--index in-process`` |
+| KVCACHE_IN_PROCESS_INDEX | memory:// | the index of a process run with ``--index in-process`` |
 | KVCACHE_INDEX_LAYOUT | fast | a Redis index's layout (one server or a cluster): ``fast`` or ``compact`` |
 | KVCACHE_INDEX_TIMEOUT | 1.0 | seconds a Redis index may take to connect or reply (then 503) |
 | KVCACHE_NATIVE | 1 | ``0``: the pure-Python key chain and memory maps even where they are compiled |
@@ -211,8 +211,8 @@ LOGIN_URL = "admin:login"
 # --- the index and the channel layer -------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 KVCACHE_INDEX_BACKEND = os.environ.get("KVCACHE_INDEX_BACKEND", "redis")
-# The index a gateway or an Endpoint Picker run with ``--index in-process`` keeps in its own memory
-# and fills from the engines' KV events itself (ingest/in_process.py): a memory:// URL, whose query
+# The index a gateway, an Endpoint Picker or a web server run with ``--index in-process`` keeps in its
+# own memory and fills from the engines' KV events itself (ingest/in_process.py): a memory:// URL, whose query
 # bounds it (``?max_bytes=2GiB``...).
 KVCACHE_IN_PROCESS_INDEX = os.environ.get("KVCACHE_IN_PROCESS_INDEX", "memory://")
 # The one-server index's layout: "fast" or "compact" (fewer bytes per entry, more server CPU per
