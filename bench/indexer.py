@@ -327,7 +327,7 @@ class InProcess(System):
     """``manage.py serve --index in-process``: one process subscribes to the publishers, keeps the
     index in its memory (the compiled maps) and answers the queries; no Valkey."""
 
-    def __init__(self, endpoints: list[str], pods: list[str], tmp: Path, workers: int) -> None:
+    def __init__(self, endpoints: list[str], tmp: Path, workers: int) -> None:
         self.name = f"ours, in-process (serve --index in-process --ingest-workers {workers})"
         self.env = project_env(tmp, "redis://127.0.0.1:1/0", KVCACHE_INDEX_BACKEND="memory")
         port = free_port()
@@ -569,9 +569,7 @@ def main(argv: list[str] | None = None) -> dict:
             if "in-process" in systems:
                 for threads in (int(n) for n in args.ingest_workers.split(",")):
                     makers.append(
-                        lambda p, w=workload, t=threads: InProcess(
-                            p.endpoints, w.pods, Path(tempfile.mkdtemp(dir=work)), t
-                        )
+                        lambda p, t=threads: InProcess(p.endpoints, Path(tempfile.mkdtemp(dir=work)), t)
                     )
             for make in makers:
                 result = {"blocks": blocks, **run(make, workload, args, work)}

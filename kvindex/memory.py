@@ -220,7 +220,6 @@ class MemoryIndex:
             raise RuntimeError(f"the compiled index is not available: {native_reason}")
         make = _native.Core if native else PyCore
         self._core: PyCore = make(max_keys, pod_cache_size, max_bytes)
-        self.native = native
         self._progress: dict[tuple[str, str], int] = {}
         self._epochs: dict[str, str] = {}
         # (model, key) -> pod -> expiry (monotonic), under a lock of its own: routers' guesses

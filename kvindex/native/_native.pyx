@@ -56,7 +56,6 @@ cdef extern from "sha256.h":
 
 cdef extern from "core.hpp" namespace "kvn":
     void set_hash_seed(uint64_t)
-    int DIGEST_MAX
     int64_t KEY_ENTRY_BYTES
     int64_t HOLDER_ENTRY_BYTES
     int64_t ENGINE_ENTRY_BYTES
@@ -131,10 +130,6 @@ def sha256_portable(bytes data):
     kv_sha256_portable(<const uint8_t *>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), out)
     return PyBytes_FromStringAndSize(<char *>out, 32)
 
-KEY_ENTRY = KEY_ENTRY_BYTES
-HOLDER_ENTRY = HOLDER_ENTRY_BYTES
-ENGINE_ENTRY = ENGINE_ENTRY_BYTES
-U64_MAX = (1 << 64) - 1
 
 
 # -- the block-key chain ---------------------------------------------------------------------
@@ -288,14 +283,6 @@ cdef inline bint _u64(object value, uint64_t *out):
         PyErr_Clear()
         return False
     return True
-
-
-cdef inline uint64_t _key_of(const Digest *d) noexcept:
-    cdef uint64_t key = 0
-    cdef int i
-    for i in range(d.len - 8 if d.len > 8 else 0, d.len):
-        key = (key << 8) | d.d[i]
-    return key
 
 
 cdef inline bint _same_holders(Block *b, vector[uint64_t] &codes) noexcept:
