@@ -374,27 +374,19 @@ class Housekeeping:
             prober.start()
 
     def run_once(self) -> None:
+        steps = [
+            (self._forget_evicted, "delete the evicted unregistered pods"),
+            (self._register_pods, "update the pod registry"),
+            (self._expire_pods, "expire pods"),
+            (self._record_learned_groups, "record the KV-cache groups learned from events"),
+        ]
         if self.follower is not None:  # first: a pod it forgets is not registered again from old events
+            steps.insert(0, (self.follower.run_once, "follow the registry's changes into this index"))
+        for step, what in steps:
             try:
-                self.follower.run_once()
-            except Exception:
-                log.exception("could not follow the registry's changes into this process's index")
-        try:
-            self._forget_evicted()
-        except Exception:
-            log.exception("could not delete the evicted unregistered pods")
-        try:
-            self._register_pods()
-        except Exception:
-            log.exception("could not update the pod registry")
-        try:
-            self._expire_pods()
-        except Exception:
-            log.exception("could not expire pods")
-        try:
-            self._record_learned_groups()
-        except Exception:
-            log.exception("could not record the KV-cache groups learned from events")
+                step()
+            except Exception:  # one failing step must not keep the others from running
+                log.exception("could not %s", what)
         snapshot = {**self.stats.snapshot(), "instance": self._instance}
         if self._redis is not None:
             try:
