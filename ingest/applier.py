@@ -485,7 +485,8 @@ class EventApplier:
         if parents.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
             # Every block is new to this pod (the usual case): the loop below, in bulk.
             repeated: list[StoredBlock] = []
-            fresh, aligned, misaligned, last_judged = _remember_new(blocks, hashes, judged, tier, parents)
+            fresh = blocks
+            aligned, misaligned, last_judged = _remember_new(blocks, hashes, judged, tier, parents)
         else:
             repeated, fresh, aligned, misaligned, last_judged = _remember(blocks, judged, tier, parents)
         while len(parents) > PARENT_CACHE_SIZE:
@@ -771,7 +772,7 @@ def _remember_new(
     judged: list[bool] | None,
     tier: Tier,
     parents: OrderedDict,
-) -> tuple[list[StoredBlock], int, int, bool | None]:
+) -> tuple[int, int, bool | None]:
     """``_remember`` of blocks none of which ``parents`` holds (distinct engine hashes), with
     C loops: every block is fresh; a block is comparable when its key is its engine hash or
     it is judged, and counts as aligned or misaligned only then."""
@@ -789,7 +790,7 @@ def _remember_new(
             last_judged = matched[len(comparable) - 1 - comparable[::-1].index(True)]
     known = map(_new_known, zip(map(_third, blocks), repeat(_one_tier(tier)), comparable, strict=False))
     parents.update(zip(hashes, known, strict=True))
-    return blocks, aligned, misaligned, last_judged
+    return aligned, misaligned, last_judged
 
 
 def _in_group(blocks: list[StoredBlock], group: int) -> list[StoredBlock]:

@@ -128,11 +128,6 @@ def instance_id(pod: str) -> int | str:
     return pod
 
 
-def holder(pod: str, dp_rank: int) -> str:
-    """The index holder of ``pod``'s data-parallel rank ``dp_rank`` (rank 0: the pod)."""
-    return pod if dp_rank == 0 else f"{pod}{DP_RANK_SEPARATOR}{dp_rank}"
-
-
 def rank_of(holder_id: str) -> int:
     """The data-parallel rank of an index holder: ``pod#dp3`` -> 3, ``pod`` -> 0."""
     _, sep, rest = holder_id.partition(DP_RANK_SEPARATOR)

@@ -243,7 +243,6 @@ class TokenizerRegistry:
                 del self._in_flight[model]
                 if isinstance(error, TokenizerNotFound):
                     self._absent[model] = (time.monotonic() + ABSENT_SECONDS, list(error.tried))
-                    self._absent.move_to_end(model)
                     while len(self._absent) > MAX_ABSENT_MODELS:
                         self._absent.popitem(last=False)
             flight.set_exception(error)
