@@ -18,6 +18,7 @@ class PodAdmin(admin.ModelAdmin):
     list_display = (
         "pod_id",
         "model",
+        "role",
         "enabled",
         "registered",
         "health",
@@ -26,7 +27,7 @@ class PodAdmin(admin.ModelAdmin):
         "last_seen",
         "first_seen",
     )
-    list_filter = ("enabled", "registered", "health", "model")
+    list_filter = ("enabled", "registered", "health", "role", "model")
     search_fields = ("pod_id", "model", "address", "event_endpoint")
     readonly_fields = (
         "registered",

@@ -19,6 +19,9 @@ DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu":
 DEFAULT_OTHER_TIER_WEIGHT = 0.5
 
 DP_RANK_SEPARATOR = "#dp"
+POD_ROLES = ("both", "prefill", "decode")
+"""What a pod is for under prefill/decode disaggregation (``Pod.role``; vLLM's NixlConnector
+``kv_role`` says what it can do, which for a P/D pod is always both ways)."""
 """Data-parallel rank r > 0 of pod P is indexed as ``P#dp<r>`` (``ingest.applier.holder_id``)."""
 
 
@@ -90,6 +93,8 @@ class ServiceConfig:
     """pod -> the KV-cache groups its own events described (only pods whose events did)."""
     down_pods: frozenset[str] = frozenset()
     """Pods the liveness prober found down: they leave scores like disabled ones."""
+    pod_roles: Mapping[str, str] = field(default_factory=dict)
+    """pod -> ``prefill`` or ``decode`` (``Pod.role``; a pod not in it serves whole requests)."""
     unscored_pods: frozenset[str] = field(init=False)
     """Disabled and down pods: neither they nor their data-parallel ranks appear in scores."""
 

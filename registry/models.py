@@ -12,6 +12,7 @@ from django.db import models
 
 from kvindex.keys import MAX_BLOCK_SIZE
 from kvindex.kv_cache_groups import GROUP_RULES, MAX_KV_CACHE_GROUPS, MAX_SLIDING_WINDOW
+from registry.config import POD_ROLES
 from tokenization.chat_templates import BoundedEnvironment
 
 
@@ -180,6 +181,15 @@ class Pod(models.Model):
         "that owns the pod connects to it. Empty: the engine connects to ingest (its --bind).",
     )
     model = models.CharField(max_length=255, db_index=True)
+    role = models.CharField(
+        max_length=8,
+        choices=[(role, role) for role in POD_ROLES],
+        default="both",
+        help_text="What the pod is for under prefill/decode disaggregation: prefill (it computes "
+        "prompts and hands their KV cache on), decode (it takes handed-on KV caches and generates), "
+        "or both (it serves whole requests). A model whose live pods include prefill and decode "
+        "pods is routed in two steps (routing.disaggregation).",
+    )
     labels = models.JSONField(
         default=dict,
         blank=True,

@@ -41,7 +41,7 @@ def load_service_config() -> ServiceConfig:
         for m in ModelConfig.objects.all()
     }
     disabled, down, registered, addresses, replay, events, pods = set(), set(), set(), {}, {}, {}, {}
-    pod_groups = {}
+    pod_groups, roles = {}, {}
     rows = Pod.objects.values_list(
         "pod_id",
         "model",
@@ -52,6 +52,7 @@ def load_service_config() -> ServiceConfig:
         "health",
         "registered",
         "learned_kv_cache_groups",
+        "role",
     )
     for (
         pod_id,
@@ -63,8 +64,11 @@ def load_service_config() -> ServiceConfig:
         health,
         is_registered,
         learned,
+        role,
     ) in rows:
         pods[pod_id] = model
+        if role != "both":
+            roles[pod_id] = role
         if is_registered:
             registered.add(pod_id)
         if learned:
@@ -92,6 +96,7 @@ def load_service_config() -> ServiceConfig:
         replay_endpoints=replay,
         event_endpoints=events,
         down_pods=frozenset(down),
+        pod_roles=roles,
     )
 
 

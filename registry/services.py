@@ -55,16 +55,25 @@ def record_pods_seen(seen: Iterable[tuple[str, str, float, float]]) -> int:
 
 
 def register_pods(
-    pods: Iterable[tuple[str, str, str, str]], *, event_endpoints: Mapping[str, str] | None = None
+    pods: Iterable[tuple[str, str, str, str]],
+    *,
+    event_endpoints: Mapping[str, str] | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> None:
     """Announce ``(pod, model, address, replay_endpoint)`` (a fleet that knows its pods, e.g. the
-    simulator), and where the engines' KV-event PUBs bind (``event_endpoints``: pod -> endpoint,
-    for the pods whose PUB binds): new pods are created, known ones get these values; enabled and
+    simulator), where the engines' KV-event PUBs bind (``event_endpoints``: pod -> endpoint, for
+    the pods whose PUB binds) and what the pods are for (``roles``: pod -> ``Pod.role``; one not
+    in it serves whole requests): new pods are created, known ones get these values; enabled and
     health stay."""
-    event_endpoints = event_endpoints or {}
+    event_endpoints, roles = event_endpoints or {}, roles or {}
     with transaction.atomic():
         for pod_id, model, address, replay_endpoint in pods:
-            values = {"model": model, "address": address, "replay_endpoint": replay_endpoint}
+            values = {
+                "model": model,
+                "address": address,
+                "replay_endpoint": replay_endpoint,
+                "role": roles.get(pod_id, "both"),
+            }
             if pod_id in event_endpoints:
                 values["event_endpoint"] = event_endpoints[pod_id]
             Pod.objects.update_or_create(pod_id=pod_id, defaults={**values, "registered": True})

@@ -8,6 +8,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from registry.config import POD_ROLES
 from registry.liveness import HEALTHS, POD_STATES
 from registry.models import HashSeed, ModelConfig, Pod
 from registry.selectors import PodState
@@ -29,6 +30,7 @@ class PodSerializer(serializers.ModelSerializer):
             "replay_endpoint",
             "event_endpoint",
             "model",
+            "role",
             "labels",
             "enabled",
             "registered",
@@ -54,6 +56,7 @@ class PodStateSerializer(serializers.Serializer):
     pod_id = serializers.CharField()
     address = serializers.CharField()
     model = serializers.CharField()
+    role = serializers.ChoiceField(choices=POD_ROLES)
     labels = serializers.JSONField()
     enabled = serializers.BooleanField()
     health = serializers.ChoiceField(
