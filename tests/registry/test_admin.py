@@ -133,7 +133,13 @@ def test_disabling_a_pod_in_the_admin_removes_its_blocks_and_only_its(staff, ind
 
     response = staff.post(
         f"/admin/scoring/pod/{pod.pk}/change/",
-        {"pod_id": "pod-a", "address": "", "model": MODEL, "role": "both", "labels": "{}"},  # "enabled" unticked
+        {
+            "pod_id": "pod-a",
+            "address": "",
+            "model": MODEL,
+            "role": "both",
+            "labels": "{}",
+        },  # "enabled" unticked
     )
     assert response.status_code == 302
     assert (blocks_of(index, "pod-a"), blocks_of(index, "pod-b")) == (0, 3)
@@ -234,7 +240,15 @@ def test_a_model_config_that_cannot_work_is_refused_on_the_form(staff, index, ch
     ],
 )
 def test_a_pod_the_registry_cannot_serve_is_refused_on_the_form(staff, index, changes, message):
-    form = {"pod_id": "vllm-0", "address": "", "model": MODEL, "role": "both", "labels": "{}", "enabled": "on", **changes}
+    form = {
+        "pod_id": "vllm-0",
+        "address": "",
+        "model": MODEL,
+        "role": "both",
+        "labels": "{}",
+        "enabled": "on",
+        **changes,
+    }
     response = staff.post("/admin/scoring/pod/add/", form)
     assert response.status_code == 200
     assert message in response.content.decode()

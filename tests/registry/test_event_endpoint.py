@@ -82,7 +82,14 @@ def test_the_api_refuses_an_endpoint_ingest_cannot_connect_to(api, index):
 
 def test_the_admin_form_edits_the_event_endpoint_and_refuses_a_bad_one(client, db, index):
     client.force_login(User.objects.create_superuser("boss", password="pw-for-tests-only"))
-    form = {"pod_id": "vllm-0", "address": "", "model": MODEL, "role": "both", "labels": "{}", "enabled": "on"}
+    form = {
+        "pod_id": "vllm-0",
+        "address": "",
+        "model": MODEL,
+        "role": "both",
+        "labels": "{}",
+        "enabled": "on",
+    }
 
     refused = client.post("/admin/scoring/pod/add/", {**form, "event_endpoint": "tcp://10.0.0.7"})
     assert refused.status_code == 200
