@@ -43,6 +43,14 @@ from typing import Any
 import orjson
 
 from gateway import metrics
+from routing.disaggregation import (
+    DISAGGREGATED,
+    FALLBACK,
+    MAX_PREFILL_ANSWER_BYTES,
+    decode_body,
+    prefill_body,
+    transfer_params,
+)
 from routing.load import Dispatch
 from routing.policies import DEFAULT_ALPHA, Candidate
 from routing.router import ROUTED_PATHS, Decision, RouteError, Router, RouterHandles, RouterSettings
@@ -97,6 +105,10 @@ class GatewaySettings:
     matched_blocks_header: bool = False
     """Send ``x-kvcache-matched-blocks`` (a prefix-cache oracle for any client: off by default)."""
     trusted_proxies: tuple[str, ...] = ()
+    pd_threshold_tokens: int = 0
+    """P/D: a request whose decode pod would compute fewer prompt tokens skips the prefill step."""
+    prefill_timeout: float = 60.0
+    """P/D: the longest wait for a prefill pod's whole answer; then the decode pod serves it whole."""
 
 
 GatewayHandles = RouterHandles
@@ -119,6 +131,18 @@ class _Refused(Exception):
         self.headers = headers or []
 
 
+@dataclass(frozen=True, slots=True)
+class _Prefilled:
+    """What a prefill step came to: the ``kv_transfer_params`` for the decode pod, or the prefill
+    pod's ``refusal`` (status, body) of the request itself, or neither (it failed)."""
+
+    pod: str
+    params: dict | None = None
+    refusal: tuple[int, bytes] | None = None
+    matched: int = 0
+    """The prompt's leading blocks the prefill pod was known to hold."""
+
+
 class GatewayApp:
     def __init__(self, handles: GatewayHandles, settings: GatewaySettings) -> None:
         self.handles = handles
@@ -136,6 +160,7 @@ class GatewayApp:
                 seed=settings.seed,
                 allow_request_templates=settings.allow_request_templates,
                 pod_api_key=settings.pod_api_key,
+                pd_threshold_tokens=settings.pd_threshold_tokens,
             ),
             metrics.ROUTING,
             upstream=self._upstream,
@@ -222,18 +247,37 @@ class GatewayApp:
         headers = self._pod_headers(scope)
         target = scope["path"].encode()  # one of ROUTED_PATHS
         metrics.OVERHEAD.labels(policy).observe(time.perf_counter() - received)
-        # One watcher for the whole hop: when the client goes away, at any await below (connecting,
-        # waiting for the pod's head, relaying its body), this task is cancelled and the pod's
-        # connection closed with it.
+        # One watcher for the whole hop: when the client goes away, at any await below (the
+        # prefill step, connecting, waiting for the pod's head, relaying its body), this task is
+        # cancelled and the pod's connection closed with it.
         watcher = asyncio.create_task(_cancel_on_departure(receive, asyncio.current_task()))
         pod, outcome = "", "upstream_error"
         try:
+            extra, prefilled = [], False
+            if decision.pd:
+                extra.append((b"x-kvcache-pd", decision.pd.encode()))
+            if decision.prefill:
+                step = await self._prefill(decision, headers, target)
+                if step.refusal is not None:
+                    pod, outcome = step.pod, "prefill_refused"
+                    status, answer = step.refusal
+                    pd = [(b"x-kvcache-pod", pod.encode()), (b"x-kvcache-pd", b"prefill_refused")]
+                    await _send(send, status, answer, b"application/json", pd)
+                    return
+                if step.params is not None:
+                    body, prefilled = decode_body(decision.payload, step.params), True
+                    extra = [(b"x-kvcache-pd", DISAGGREGATED.encode())]
+                    extra.append((b"x-kvcache-prefill-pod", step.pod.encode()))
+                    if self.settings.matched_blocks_header:
+                        extra.append((b"x-kvcache-prefill-matched-blocks", str(step.matched).encode()))
+                else:
+                    extra = [(b"x-kvcache-pd", FALLBACK.encode())]
             problems: list[tuple[str, str]] = []
             for attempt, candidate in enumerate(decision.ranked[: 1 + self.settings.retries]):
                 if attempt:
                     metrics.RETRIES.labels(policy, problems[-1][0]).inc()
                 pod = candidate.pod
-                prefill = max(0, len(keys) - candidate.matched)
+                prefill = 0 if prefilled else max(0, len(keys) - candidate.matched)
                 dispatch = self.load.start(pod, prefill_blocks=prefill, learn=decision.streamed)
                 try:
                     sent = time.perf_counter()
@@ -251,8 +295,9 @@ class GatewayApp:
                         response.close()
                         problems.append(("status", f"{pod}: HTTP {response.status}"))
                         continue
-                    self.router.chosen(decision, candidate)
-                    outcome = await self._relay(response, send, candidate, sent, dispatch)
+                    self.router.chosen(decision, candidate, counted=not prefilled)
+                    step = "transfer" if prefilled else None
+                    outcome = await self._relay(response, send, candidate, sent, dispatch, extra, step)
                     return
                 finally:
                     self.load.finish(dispatch)
@@ -267,12 +312,69 @@ class GatewayApp:
             watcher.cancel()
             metrics.REQUESTS.labels(policy, pod, outcome).inc()
 
+    async def _prefill(
+        self, decision: Decision, headers: list[tuple[bytes, bytes]], target: bytes
+    ) -> _Prefilled:
+        """The prefill step of a request served in two steps (``routing.disaggregation``): its
+        prompt, with ``do_remote_decode`` and one output token, to the best prefill pod, then the
+        next ones after a connect error, a 5xx or a 429 (``retries`` more at most). The answer's
+        ``kv_transfer_params``; or the pod's refusal of the request itself (another 4xx), which is
+        the client's answer; or neither (counted): the decode pod then serves it whole."""
+        body = prefill_body(decision.payload)
+        routing, reason = metrics.ROUTING, "no_pod"
+        for candidate in decision.prefill[: 1 + self.settings.retries]:
+            pod = candidate.pod
+            uncached = max(0, len(decision.keys) - candidate.matched)
+            dispatch = self.load.start(pod, prefill_blocks=uncached, learn=False)
+            sent = time.perf_counter()
+            try:
+                status, answer = await self._upstream.fetch(
+                    decision.pods[pod],
+                    target,
+                    headers,
+                    timeout=self.settings.prefill_timeout,
+                    max_bytes=MAX_PREFILL_ANSWER_BYTES,
+                    method=b"POST",
+                    body=body,
+                )
+            except UpstreamError as error:
+                reason = error.reason
+                log.info("the prefill step on %s failed: %s", pod, error)
+                continue
+            finally:
+                self.load.finish(dispatch)
+            if status >= 500 or status == 429:
+                reason = "status"
+                continue
+            if status != 200:
+                return _Prefilled(pod, refusal=(status, answer))
+            params = transfer_params(answer)
+            if params is None:
+                reason = "no_transfer_params"
+                continue
+            metrics.PD_STEP.labels("prefill").observe(time.perf_counter() - sent)
+            self.router.chosen(decision, candidate)
+            routing.pd_requests.labels(DISAGGREGATED).inc()
+            return _Prefilled(pod, params=params, matched=candidate.matched)
+        routing.pd_fallbacks.labels(reason).inc()
+        routing.pd_requests.labels(FALLBACK).inc()
+        return _Prefilled("")
+
     async def _relay(
-        self, response: UpstreamResponse, send: Send, candidate: Candidate, sent: float, dispatch: Dispatch
+        self,
+        response: UpstreamResponse,
+        send: Send,
+        candidate: Candidate,
+        sent: float,
+        dispatch: Dispatch,
+        extra: list[tuple[bytes, bytes]],
+        step: str | None,
     ) -> str:
-        """The pod's answer to the client as it comes; returns the outcome. The client's head waits
-        for the body's first bytes: a body malformed from its start is a 502, not a 200 cut short.
-        A body that breaks off later leaves the client's answer unfinished (uvicorn closes it)."""
+        """The pod's answer to the client as it comes, with the ``extra`` headers; returns the
+        outcome. The client's head waits for the body's first bytes: a body malformed from its
+        start is a 502, not a 200 cut short. A body that breaks off later leaves the client's
+        answer unfinished (uvicorn closes it). ``step``: the P/D step whose time ends with the
+        first bytes (``transfer``: the decode pod pulled the prompt's KV cache, then answered)."""
         policy = self.policy.name
         done = False
         try:
@@ -282,6 +384,8 @@ class GatewayApp:
                 await _send_error(send, 502, f"{candidate.pod} answered malformed: {error}", "upstream_error")
                 return "upstream_error"
             metrics.TTFT.labels(policy).observe(time.perf_counter() - sent)
+            if step is not None:
+                metrics.PD_STEP.labels(step).observe(time.perf_counter() - sent)
             self.load.answered(dispatch)
             headers = [
                 (k, v)
@@ -292,6 +396,7 @@ class GatewayApp:
             if self.settings.matched_blocks_header:
                 headers.append((b"x-kvcache-matched-blocks", str(candidate.matched).encode()))
             headers.append((b"x-kvcache-policy", policy.encode()))
+            headers += extra
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             while True:
                 last = response.at_end()

@@ -43,6 +43,8 @@ gateway = GatewayApp(
         pod_api_key=settings.KVCACHE_GATEWAY_POD_API_KEY,
         matched_blocks_header=settings.KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER,
         trusted_proxies=tuple(settings.KVCACHE_TRUSTED_PROXIES),
+        pd_threshold_tokens=settings.KVCACHE_PD_THRESHOLD_TOKENS,
+        prefill_timeout=settings.KVCACHE_PD_PREFILL_TIMEOUT,
     ),
 )
 

@@ -47,6 +47,15 @@ TTFT = Histogram(
     buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+PD_STEP = Histogram(
+    "kvcache_gateway_pd_step_seconds",
+    "Steps of requests served with prefill/decode disaggregation: prefill (from sending the prompt "
+    "to a prefill pod to its whole answer), transfer (from sending the request to the decode pod to "
+    "its first byte: it pulls the prompt's KV cache, then computes the first token).",
+    ["step"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 OVERHEAD = Histogram(
     "kvcache_gateway_overhead_seconds",
     "The gateway's own time per request: from receiving it whole to sending it to a pod.",

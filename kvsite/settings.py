@@ -40,6 +40,8 @@
 | KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT | 300 | seconds the gateway waits for a pod's answer to begin (504) |
 | KVCACHE_GATEWAY_POD_API_KEY | "" (the client's) | the ``Bearer`` key the gateway sends the pods |
 | KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER | false | send ``x-kvcache-matched-blocks`` (a prefix-cache oracle) |
+| KVCACHE_PD_THRESHOLD_TOKENS | 0 | P/D: fewer prompt tokens to compute on the decode pod skip the prefill step |
+| KVCACHE_PD_PREFILL_TIMEOUT | 60 | P/D: seconds for a prefill pod's answer (then the decode pod serves it whole) |
 | KVCACHE_GATEWAY_URLS | "" (none) | gateways whose routed requests the dashboard counts as scoring traffic |
 | KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |
@@ -344,6 +346,14 @@ KVCACHE_GATEWAY_POD_API_KEY = os.environ.get("KVCACHE_GATEWAY_POD_API_KEY", "")
 # hold: whether a guessed prefix (another tenant's prompt) is cached. Off unless every client may know
 # that (make run's demo turns it on; cache_salt keeps tenants apart whatever this says).
 KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER = env_bool("KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER")
+# Prefill/decode disaggregation (routing/disaggregation.py): a request of a model whose live pods
+# include prefill and decode pods (Pod.role) goes first to a prefill pod, then to a decode pod; but
+# one whose chosen decode pod would compute fewer than this many of its prompt tokens skips the
+# prefill step (the extra hop costs more than a short prefill: Dynamo's max_local_prefill_length).
+KVCACHE_PD_THRESHOLD_TOKENS = int(os.environ.get("KVCACHE_PD_THRESHOLD_TOKENS", "0"))
+# Seconds for a prefill pod's whole answer (it comes when the prompt is computed); then, as after a
+# connect error or a 5xx of every prefill pod tried, the decode pod serves the request whole.
+KVCACHE_PD_PREFILL_TIMEOUT = float(os.environ.get("KVCACHE_PD_PREFILL_TIMEOUT", "60"))
 # The gateways whose /metrics the dashboard adds to its scoring traffic (requests/s, hit rate).
 KVCACHE_GATEWAY_URLS = [url.rstrip("/") for url in env_list("KVCACHE_GATEWAY_URLS")]
 

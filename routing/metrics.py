@@ -19,6 +19,8 @@ class RoutingMetrics:
     score_failures: Counter
     scrapes: Counter
     scrape_failures: Counter
+    pd_requests: Counter
+    pd_fallbacks: Counter
 
     @classmethod
     def create(cls, prefix: str, registry: CollectorRegistry) -> RoutingMetrics:
@@ -61,6 +63,22 @@ class RoutingMetrics:
                 f"{prefix}_scrape_failures",
                 "Scrapes of pods' /metrics that gave no load, by reason (connect, timeout, status, "
                 "too_large, malformed, error): the pod's load is then this process's own requests alone.",
+                ["reason"],
+                registry=registry,
+            ),
+            pd_requests=Counter(
+                f"{prefix}_pd_requests",
+                "Requests of models served with prefill/decode disaggregation, by decision: "
+                "disaggregated (two steps), short_prompt (whole on the decode pod: below the "
+                "threshold), fallback (whole on the decode pod: the prefill step failed).",
+                ["decision"],
+                registry=registry,
+            ),
+            pd_fallbacks=Counter(
+                f"{prefix}_pd_fallbacks",
+                "Prefill steps that failed, the request then served whole by its decode pod, by "
+                "reason (connect, timeout, closed, malformed, too_large, status: a 5xx or 429, "
+                "no_transfer_params: the pod answered without kv_transfer_params).",
                 ["reason"],
                 registry=registry,
             ),

@@ -30,7 +30,7 @@ import socket
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import orjson
@@ -38,6 +38,7 @@ import orjson
 from kvindex import IndexUnavailable, KVIndex
 from registry.config import ServiceConfig, owner_pod
 from registry.pod_metrics import MAX_METRICS_BYTES, READ_FAILURES, PodMetricsError
+from routing.disaggregation import DISAGGREGATED, SHORT_PROMPT, sides, uncached_tokens
 from routing.load import SCRAPE_TIMEOUT_SECONDS, LoadTracker
 from routing.memory import KeyMemory
 from routing.metrics import RoutingMetrics
@@ -83,6 +84,9 @@ class RouterSettings:
     allow_request_templates: bool = True
     pod_api_key: str = ""
     """Sent to the pods' ``/metrics`` as ``Authorization: Bearer`` (empty: none)."""
+    pd_threshold_tokens: int = 0
+    """A request of a P/D model whose chosen decode pod would compute fewer of its prompt tokens
+    than this skips the prefill step (``routing.disaggregation``); 0: none does."""
 
     @classmethod
     def from_settings(cls, settings: object, **overrides: object) -> RouterSettings:
@@ -95,6 +99,7 @@ class RouterSettings:
             "threads": settings.KVCACHE_SCORING_THREADS,
             "allow_request_templates": settings.KVCACHE_REQUEST_TEMPLATES,
             "pod_api_key": settings.KVCACHE_GATEWAY_POD_API_KEY,
+            "pd_threshold_tokens": settings.KVCACHE_PD_THRESHOLD_TOKENS,
         }
         return cls(**{**values, **{k: v for k, v in overrides.items() if v is not None}})
 
@@ -120,13 +125,20 @@ class RouteError(Exception):
 
 @dataclass(slots=True)
 class Decision:
-    """One request's ranking: ``ranked`` candidates best first, among ``pods`` (pod -> address)."""
+    """One request's ranking: ``ranked`` candidates best first, among ``pods`` (pod -> address).
+    For a request served in two steps (``pd``: ``routing.disaggregation``'s ``disaggregated``),
+    ``ranked`` are the decode pods and ``prefill`` the prefill pods, best first; ``pd`` is
+    ``short_prompt`` for a P/D model's request served whole by its decode pod, empty for a
+    model without both roles."""
 
     model: str
     keys: list[int]
     ranked: list[Candidate]
     pods: dict[str, str]
     streamed: bool
+    payload: dict
+    prefill: list[Candidate] = field(default_factory=list)
+    pd: str = ""
 
 
 class Router:
@@ -206,7 +218,7 @@ class Router:
                 raise RouteError(
                     503, f"no live pod serving {payload['model']!r} is in the subset", "unavailable"
                 )
-        keys, matched = await self._prefix(config, model, lora, kind, payload, pods, len(body))
+        keys, matched, token_count = await self._prefix(config, model, lora, kind, payload, pods, len(body))
         now = time.monotonic()
         candidates = []
         tracker = self.load
@@ -225,12 +237,27 @@ class Router:
                     running_seconds=running_seconds,
                 )
             )
-        ranked = self.policy.rank(candidates, blocks=len(keys), affinity=affinity_of(keys))
-        return Decision(model, keys, ranked, pods, payload.get("stream") is True)
+        streamed = payload.get("stream") is True
+        affinity = affinity_of(keys)
+        split = sides(pods, config.pod_roles)
+        if split is None:
+            ranked = self.policy.rank(candidates, blocks=len(keys), affinity=affinity)
+            return Decision(model, keys, ranked, pods, streamed, payload)
+        decode = [c for c in candidates if c.pod in split.decode]
+        ranked = self.policy.rank(decode, blocks=len(keys), affinity=affinity)
+        uncached = uncached_tokens(token_count, ranked[0].matched, config.model(model).block_size)
+        if token_count and uncached < self.settings.pd_threshold_tokens:
+            self.metrics.pd_requests.labels(SHORT_PROMPT).inc()
+            return Decision(model, keys, ranked, pods, streamed, payload, pd=SHORT_PROMPT)
+        prefill = [c for c in candidates if c.pod in split.prefill]
+        prefill = self.policy.rank(prefill, blocks=len(keys), affinity=affinity)
+        return Decision(model, keys, ranked, pods, streamed, payload, prefill=prefill, pd=DISAGGREGATED)
 
-    def chosen(self, decision: Decision, candidate: Candidate) -> None:
+    def chosen(self, decision: Decision, candidate: Candidate, *, counted: bool = True) -> None:
         """``candidate``'s pod took the request: it is taken to hold its blocks (a speculative
-        entry, this replica's and shared through the index, or the memory's), and counted."""
+        entry, this replica's and shared through the index, or the memory's), and counted
+        (``counted``: the decode step of a request served in two steps is not; its prefill
+        step, where the prompt is computed, is)."""
         model, keys = decision.model, decision.keys
         if self.policy.source == "index":
             self.speculative.record(model, keys, candidate.pod, now=time.monotonic())
@@ -238,6 +265,8 @@ class Router:
                 self._share_speculation(model, candidate.pod, keys)
         elif self.policy.source == "memory":
             self.memory.record(model, keys, candidate.pod, now=time.monotonic())
+        if not counted:
+            return
         policy = self.policy.name
         self.metrics.matched.labels(policy).inc(candidate.matched)
         if candidate.matched:
@@ -261,12 +290,13 @@ class Router:
         payload: dict,
         pods: Mapping[str, str],
         body_bytes: int,
-    ) -> tuple[list[int], dict[str, int]]:
-        """The request's block keys and, per pod, the leading blocks the policy's source says
-        it holds ({} when the policy needs none, or tokenizing or the index failed)."""
+    ) -> tuple[list[int], dict[str, int], int]:
+        """The request's block keys, per pod the leading blocks the policy's source says it holds
+        ({} when the policy needs none, or tokenizing or the index failed) and its prompt tokens
+        (0: not known)."""
         source = self.policy.source
         if source == "none":
-            return [], {}
+            return [], {}, 0
         try:
             if self._keys_on_loop(config, model, kind, payload, body_bytes):
                 keyed = self._key(config, model, lora, kind, payload)
@@ -277,10 +307,10 @@ class Router:
         except Exception as error:  # the pod will answer the request's own errors
             self.metrics.score_failures.labels(type(error).__name__).inc()
             log.debug("routing %s without its prefix: %s", model, error)
-            return [], {}
+            return [], {}, 0
         keys = keyed.keys
         if source == "memory":
-            return keys, self.memory.matched(model, keys, now=time.monotonic())
+            return keys, self.memory.matched(model, keys, now=time.monotonic()), keyed.token_count
         keyed.wanted = frozenset(pods)
         result, shared = await self._look_up(config, model, keyed)
         matched: dict[str, int] = {}
@@ -291,7 +321,7 @@ class Router:
         for speculated in (shared, self.speculative.matched(model, keys, now=time.monotonic())):
             for pod, n in speculated.items():
                 matched[pod] = max(matched.get(pod, 0), n)
-        return keys, matched
+        return keys, matched, keyed.token_count
 
     def _keys_on_loop(
         self, config: ServiceConfig, model: str, kind: str, payload: dict, body_bytes: int

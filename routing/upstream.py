@@ -301,13 +301,15 @@ class Upstream:
         *,
         timeout: float,
         max_bytes: int = MAX_FETCH_BYTES,
+        method: bytes = b"GET",
+        body: bytes = b"",
     ) -> tuple[int, bytes]:
-        """``GET target``, its status and whole body within ``timeout`` seconds (at most
-        ``max_bytes``: else ``too_large``); raises UpstreamError."""
+        """``method target`` (``GET`` by default), its status and whole body within ``timeout``
+        seconds (at most ``max_bytes``: else ``too_large``); raises UpstreamError."""
         response: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(timeout):
-                response = await self.request(address, b"GET", target, headers, b"")
+                response = await self.request(address, method, target, headers, body)
                 parts, size = [], 0
                 while chunk := await response.next_chunk():
                     size += len(chunk)

@@ -36,7 +36,7 @@ LONG = " ".join(f"word{i}" for i in range(400))  # ~100 blocks
 class System:
     """Two simulated pods, ingest, an index, the registry snapshot, and gateways on demand."""
 
-    def __init__(self, tokenizer: PodTokenizer, index_url: str = "memory://") -> None:
+    def __init__(self, tokenizer: PodTokenizer, index_url: str = "memory://", pods: int = 2) -> None:
         self.index = open_index(index_url)
         self.harness = Harness(self.index, ServiceConfig(seed=SEED, default_block_size=BLOCK))
         pod = PodConfig(
@@ -48,13 +48,16 @@ class System:
             ),
         )
         self.fleet = Fleet(
-            FleetConfig(pod=pod, pods=2, base_port=0, publish=PublishConfig(endpoint=self.harness.endpoint)),
+            FleetConfig(
+                pod=pod, pods=pods, base_port=0, publish=PublishConfig(endpoint=self.harness.endpoint)
+            ),
             tokenizer=tokenizer,
             graceful_timeout=0.5,
         )
         self._running = FleetThread(self.fleet)
         self.addresses = {p.pod_id: p.url.removeprefix("http://") for p in self.fleet.pods}
         self.extra: dict[str, str] = {}  # more pods: pod -> address
+        self.roles: dict[str, str] = {}  # pod -> prefill or decode (ServiceConfig.pod_roles)
         self.gateways: list[Served] = []
         self.tokenizers = TokenizerRegistry()
 
@@ -65,6 +68,7 @@ class System:
             default_block_size=BLOCK,
             pods={pod: MODEL for pod in addresses},
             pod_addresses=addresses,
+            pod_roles=dict(self.roles),
         )
 
     def gateway(self, index: object = None, **settings) -> str:

@@ -1,0 +1,97 @@
+"""Prefill/decode disaggregation: which requests are served in two steps, and the two requests.
+
+A model whose live pods include ``prefill`` pods and pods that decode (``decode`` or ``both``,
+``Pod.role``) is served as vLLM's NixlConnector serves it: the prompt goes first to a prefill pod
+with ``kv_transfer_params.do_remote_decode`` and one output token (:func:`prefill_body`); its
+answer carries the ``kv_transfer_params`` a decode pod needs to pull the prompt's KV cache from it
+(:func:`transfer_params`); then the original request, with those parameters, goes to the decode
+pod (:func:`decode_body`), whose answer is the client's. The prefill pod is picked by prefix
+score and load (it computes the prompt: that is where prefix reuse pays), the decode pod by load
+and its own prefix hits (what it holds locally it need not pull), both by the router's policy.
+
+A request whose prompt the chosen decode pod would have to compute less than ``threshold_tokens``
+of skips the prefill step (``short_prompt``): the extra hop costs more than a short prefill on
+the decode pod (Dynamo's ``max_local_prefill_length``, llm-d's P/D threshold).
+
+No Django, no I/O: the fronts (the gateway, the EPP's sidecar) carry the requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import orjson
+
+PREFILL, DECODE = "prefill", "decode"
+
+DISAGGREGATED = "disaggregated"
+"""A request served in two steps."""
+SHORT_PROMPT = "short_prompt"
+"""A request of a P/D model served whole by its decode pod: below the threshold."""
+FALLBACK = "fallback"
+"""A request of a P/D model served whole by its decode pod: its prefill step failed."""
+
+MAX_PREFILL_ANSWER_BYTES = 1024 * 1024
+"""The largest prefill answer read (one output token: a few hundred bytes, more with logprobs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sides:
+    """The live pods of a P/D model, pod -> address: those that prefill, those that decode."""
+
+    prefill: dict[str, str]
+    decode: dict[str, str]
+
+
+def sides(pods: Mapping[str, str], roles: Mapping[str, str]) -> Sides | None:
+    """The two sides of ``pods`` (pod -> address) by their ``roles``; ``None`` when they are not
+    both there (every pod then serves whole requests: a vLLM pod with a NixlConnector serves a
+    request without ``kv_transfer_params`` as any other)."""
+    prefill = {pod: address for pod, address in pods.items() if roles.get(pod) == PREFILL}
+    if not prefill or len(prefill) == len(pods):
+        return None
+    return Sides(prefill, {pod: address for pod, address in pods.items() if pod not in prefill})
+
+
+def uncached_tokens(token_count: int, matched_blocks: int, block_size: int) -> int:
+    """The prompt tokens a pod holding ``matched_blocks`` of its leading blocks would compute."""
+    return max(0, token_count - matched_blocks * block_size)
+
+
+def prefill_body(payload: Mapping[str, object]) -> bytes:
+    """The prefill step's request: the client's, with ``do_remote_decode``, one output token and
+    no streaming (vLLM's P/D proxies send the same)."""
+    request = dict(payload)
+    request["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    request["stream"] = False
+    request["max_tokens"] = 1
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    request.pop("stream_options", None)
+    return orjson.dumps(request)
+
+
+def transfer_params(answer: bytes) -> dict | None:
+    """The ``kv_transfer_params`` of a prefill pod's answer (an object with ``do_remote_prefill``
+    true), ``None`` when the answer has none: the pod does not disaggregate."""
+    try:
+        parsed = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+        return None
+    return params
+
+
+def decode_body(payload: Mapping[str, object], params: Mapping[str, object]) -> bytes:
+    """The decode step's request: the client's, with the prefill answer's ``kv_transfer_params``."""
+    return orjson.dumps({**payload, "kv_transfer_params": dict(params)})
