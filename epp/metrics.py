@@ -25,7 +25,8 @@ for _outcome in ("routed", "unavailable", "shed", "refused", "error"):
     DECISIONS.labels(_outcome)
 PICKS = Counter(
     "kvcache_epp_picks",
-    "Requests per pod: picked first (role primary) and, as Envoy reported, served (role served).",
+    "Requests per pod: picked first (role primary), as Envoy reported, served (role served), and a "
+    "P/D request's prefill pod, named to its decode pod's sidecar (role prefill).",
     ["pod", "role"],
     registry=REGISTRY,
 )

@@ -60,6 +60,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from epp import metrics
+from routing.disaggregation import DISAGGREGATED, FALLBACK
 from routing.load import Dispatch, LoadTracker
 from routing.router import ROUTED_PATHS, Decision, RouteError, Router, endpoint_of
 
@@ -71,6 +72,8 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 PRIORITY = "x-kvcache-priority"
+PREFILLER = "x-prefiller-host-port"
+"""A P/D request's prefill pod (``ip:port``), for its decode pod's sidecar: llm-d's header."""
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 BODY_CHUNK_BYTES = 62 * 1024
@@ -279,6 +282,7 @@ class _Exchange:
         headers = self.headers or {}
         path = headers.get(":path", "").split("?", 1)[0]
         kind = ROUTED_PATHS.get(path)
+        prefill_at = ""
         try:
             if kind is not None and headers.get(":method") == "POST":
                 try:
@@ -290,6 +294,11 @@ class _Exchange:
                 if _sheddable(headers) and all(c.queued >= self.settings.shed_queue for c in ranked):
                     return self._refuse(429, "every pod has a queue: a sheddable request is shed", "shed")
                 addresses = [endpoint_of(decision.pods[c.pod]) for c in ranked[: 1 + self.settings.fallbacks]]
+                if decision.prefill:  # the decode pod's sidecar runs the prefill step there
+                    prefiller = decision.prefill[0]
+                    prefill_at = endpoint_of(decision.pods[prefiller.pod])
+                    self.router.chosen(decision, prefiller)
+                    metrics.PICKS.labels(prefiller.pod, "prefill").inc()
                 primary = ranked[0]
                 prefill = max(0, len(decision.keys) - primary.matched)
                 self.decision = decision
@@ -306,12 +315,13 @@ class _Exchange:
                 return [_pass_through(self.buffered), *self._body(body, body_follows, ends)]
             return self._refuse(500, "the endpoint picker failed", "error", "internal_error", count=False)
         pod = primary.pod if primary is not None else self.pods_by_address.get(addresses[0], "")
+        destination = _destination(",".join(addresses), self.buffered, prefill_at)
         if pod:
             # What an answer's first bytes mean Envoy does not tell: no time-to-first-token to learn.
             self.dispatch = self.router.load.start(pod, prefill_blocks=prefill, learn=False)
             metrics.PICKS.labels(pod, "primary").inc()
         metrics.DECISIONS.labels("routed").inc()
-        responses = [_destination(",".join(addresses), self.buffered), *self._body(body, body_follows, ends)]
+        responses = [destination, *self._body(body, body_follows, ends)]
         metrics.PICK_SECONDS.observe(time.perf_counter() - started)
         return responses
 
@@ -364,11 +374,28 @@ class _Exchange:
             mutation.set_headers.append(_header("x-kvcache-pod", pod.encode()))
             mutation.set_headers.append(_header("x-kvcache-policy", self.router.policy.name.encode()))
             self._took(pod, ok=_status(headers) < 500)
+        if self.decision is not None and self.decision.prefill:
+            mutation.set_headers.extend(self._disaggregated(headers.get("x-kvcache-pd", "")))
         return ext_proc.ProcessingResponse(
             response_headers=ext_proc.HeadersResponse(
                 response=ext_proc.CommonResponse(header_mutation=mutation)
             )
         )
+
+    def _disaggregated(self, step: str) -> list[base_pb2.HeaderValueOption]:
+        """A P/D request's answer came, with what its decode pod's sidecar made of it (``step``:
+        its ``x-kvcache-pd``): counted, and the prefill pod named to the client when it was used.
+        No such header: no sidecar ran the prefill step (the decode pod served it whole)."""
+        assert self.decision is not None
+        counts = self.router.metrics
+        if step == DISAGGREGATED:
+            counts.pd_requests.labels(DISAGGREGATED).inc()
+            return [_header("x-kvcache-prefill-pod", self.decision.prefill[0].pod.encode())]
+        counts.pd_requests.labels(FALLBACK).inc()
+        if step != FALLBACK:  # the sidecar counts its own failures
+            counts.pd_fallbacks.labels("no_sidecar").inc()
+            return [_header("x-kvcache-pd", FALLBACK.encode())]
+        return []
 
     def _took(self, pod: str, *, ok: bool) -> None:
         decision, dispatch = self.decision, self.dispatch
@@ -380,16 +407,22 @@ class _Exchange:
         if decision is None or not ok:
             return
         candidate = next((c for c in decision.ranked if c.pod == pod), None)
-        if candidate is not None:
-            self.router.chosen(decision, candidate)
+        if candidate is not None:  # a P/D request's decode pod: its prefill pod was counted
+            self.router.chosen(decision, candidate, counted=not decision.prefill)
 
 
-def _destination(endpoints: str, buffered: bool) -> ext_proc.ProcessingResponse:
+def _destination(endpoints: str, buffered: bool, prefill_at: str = "") -> ext_proc.ProcessingResponse:
     """The answer naming the endpoints, as a header and as ``envoy.lb`` metadata: the headers'
-    answer, or the body's when Envoy buffered the body (its headers are still held then)."""
+    answer, or the body's when Envoy buffered the body (its headers are still held then). A P/D
+    request's prefill pod (``prefill_at``) goes in ``x-prefiller-host-port`` for the decode pod's
+    sidecar (``gateway.sidecar``); any other request's client-sent one is removed."""
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: endpoints}})
     mutation = ext_proc.HeaderMutation(set_headers=[_header(DESTINATION, endpoints.encode())])
+    if prefill_at:
+        mutation.set_headers.append(_header(PREFILLER, prefill_at.encode()))
+    else:
+        mutation.remove_headers.append(PREFILLER)
     return _answer(
         ext_proc.CommonResponse(clear_route_cache=True, header_mutation=mutation), buffered, metadata
     )
@@ -397,7 +430,7 @@ def _destination(endpoints: str, buffered: bool) -> ext_proc.ProcessingResponse:
 
 def _pass_through(buffered: bool) -> ext_proc.ProcessingResponse:
     """The answer failing open: no destination (a client's own one removed)."""
-    mutation = ext_proc.HeaderMutation(remove_headers=[DESTINATION])
+    mutation = ext_proc.HeaderMutation(remove_headers=[DESTINATION, PREFILLER])
     return _answer(ext_proc.CommonResponse(clear_route_cache=True, header_mutation=mutation), buffered)
 
 

@@ -43,14 +43,7 @@ from typing import Any
 import orjson
 
 from gateway import metrics
-from routing.disaggregation import (
-    DISAGGREGATED,
-    FALLBACK,
-    MAX_PREFILL_ANSWER_BYTES,
-    decode_body,
-    prefill_body,
-    transfer_params,
-)
+from routing.disaggregation import DISAGGREGATED, FALLBACK, Prefilled, decode_body, prefill
 from routing.load import Dispatch
 from routing.policies import DEFAULT_ALPHA, Candidate
 from routing.router import ROUTED_PATHS, Decision, RouteError, Router, RouterHandles, RouterSettings
@@ -77,8 +70,10 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
-NOT_FOR_PODS = HOP_BY_HOP | {b"expect", b"x-forwarded-for"}
-"""Request headers the gateway does not pass on as they are (``X-Forwarded-For``: it writes its own)."""
+NOT_FOR_PODS = HOP_BY_HOP | {b"expect", b"x-forwarded-for", b"x-prefiller-host-port"}
+"""Request headers the gateway does not pass on as they are (``X-Forwarded-For``: it writes its
+own; ``x-prefiller-host-port`` would tell a decode pod's sidecar, ``gateway.sidecar``, where to
+send the prompt)."""
 FORWARDING = frozenset({b"forwarded", b"x-real-ip"})
 """With ``X-Forwarded-*``: what a client says of where it comes from, passed on from trusted proxies only."""
 CHALLENGE = [(b"www-authenticate", b'Bearer realm="kvcache-gateway"')]
@@ -115,7 +110,7 @@ GatewayHandles = RouterHandles
 """How the gateway reaches the shared state (the Django shell's, or a test's)."""
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A request answered by the gateway itself (an OpenAI-style error)."""
 
     def __init__(
@@ -132,15 +127,13 @@ class _Refused(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class _Prefilled:
-    """What a prefill step came to: the ``kv_transfer_params`` for the decode pod, or the prefill
-    pod's ``refusal`` (status, body) of the request itself, or neither (it failed)."""
+class _Step:
+    """A request's prefill step: the ``pod`` it came to (none: every pod tried failed), what it
+    came to, and the prompt's leading blocks that pod was known to hold."""
 
     pod: str
-    params: dict | None = None
-    refusal: tuple[int, bytes] | None = None
-    matched: int = 0
-    """The prompt's leading blocks the prefill pod was known to hold."""
+    prefilled: Prefilled
+    matched: int
 
 
 class GatewayApp:
@@ -196,26 +189,26 @@ class GatewayApp:
                 self._authenticate(scope)
             if path in ROUTED_PATHS:
                 if method != "POST":
-                    raise _Refused(405, f"{path} takes POST")
+                    raise Refused(405, f"{path} takes POST")
                 await self._route(scope, receive, send, ROUTED_PATHS[path])
             elif path == "/v1/models" and method == "GET":
-                await _send_json(send, 200, await self._models())
+                await send_json(send, 200, await self._models())
             elif path == "/health" and method == "GET":
-                await _send_json(send, 200, {"status": "ok"})
+                await send_json(send, 200, {"status": "ok"})
             elif path == "/metrics" and method == "GET":
                 body, content_type = metrics.exposition()
-                await _send(send, 200, body, content_type.encode())
+                await send_bytes(send, 200, body, content_type.encode())
             else:
-                raise _Refused(404, f"no route {method} {path}", "not_found_error")
-        except _Refused as refused:
-            await _send_error(send, refused.status, str(refused), refused.kind, refused.headers)
+                raise Refused(404, f"no route {method} {path}", "not_found_error")
+        except Refused as refused:
+            await send_error(send, refused.status, str(refused), refused.kind, refused.headers)
 
     def _authenticate(self, scope: Scope) -> None:
         """Passes a request with one of the API keys (``stack.trust``, as the scoring API's)."""
         header = next((value for name, value in scope["headers"] if name == b"authorization"), None)
         problem = bearer_problem(header, self.settings.api_keys)
         if problem is not None:
-            raise _Refused(401, problem, "authentication_error", CHALLENGE)
+            raise Refused(401, problem, "authentication_error", CHALLENGE)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -231,12 +224,12 @@ class GatewayApp:
     # --- routing -----------------------------------------------------------------------------
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
-        body = await _read_body(receive, self.settings.max_body_bytes)
+        body = await read_body(receive, self.settings.max_body_bytes)
         received = time.perf_counter()
         try:
             decision = await self.router.decide(kind, body)
         except RouteError as error:
-            raise _Refused(error.status, str(error), error.kind) from None
+            raise Refused(error.status, str(error), error.kind) from None
         await self._forward(scope, receive, send, body, decision, received)
 
     async def _forward(
@@ -250,7 +243,7 @@ class GatewayApp:
         # One watcher for the whole hop: when the client goes away, at any await below (the
         # prefill step, connecting, waiting for the pod's head, relaying its body), this task is
         # cancelled and the pod's connection closed with it.
-        watcher = asyncio.create_task(_cancel_on_departure(receive, asyncio.current_task()))
+        watcher = asyncio.create_task(cancel_on_departure(receive, asyncio.current_task()))
         pod, outcome = "", "upstream_error"
         try:
             extra, prefilled = [], False
@@ -258,14 +251,14 @@ class GatewayApp:
                 extra.append((b"x-kvcache-pd", decision.pd.encode()))
             if decision.prefill:
                 step = await self._prefill(decision, headers, target)
-                if step.refusal is not None:
+                if step.prefilled.refusal is not None:
                     pod, outcome = step.pod, "prefill_refused"
-                    status, answer = step.refusal
+                    status, answer = step.prefilled.refusal
                     pd = [(b"x-kvcache-pod", pod.encode()), (b"x-kvcache-pd", b"prefill_refused")]
-                    await _send(send, status, answer, b"application/json", pd)
+                    await send_bytes(send, status, answer, b"application/json", pd)
                     return
-                if step.params is not None:
-                    body, prefilled = decode_body(decision.payload, step.params), True
+                if step.prefilled.params is not None:
+                    body, prefilled = decode_body(decision.payload, step.prefilled.params), True
                     extra = [(b"x-kvcache-pd", DISAGGREGATED.encode())]
                     extra.append((b"x-kvcache-prefill-pod", step.pod.encode()))
                     if self.settings.matched_blocks_header:
@@ -287,7 +280,7 @@ class GatewayApp:
                         if error.reason == "timeout":  # the pod may still be working on it: no retry
                             seconds = self.settings.first_byte_timeout
                             message = f"{pod} did not answer within {seconds:g} s"
-                            await _send_error(send, 504, message, "upstream_timeout")
+                            await send_error(send, 504, message, "upstream_timeout")
                             return
                         problems.append((error.reason, f"{pod}: {error}"))
                         continue
@@ -303,24 +296,20 @@ class GatewayApp:
                     self.load.finish(dispatch)
             pod = ""
             detail = "; ".join(message for _, message in problems) or "no pod to try"
-            await _send_error(send, 502, f"no pod answered: {detail}", "upstream_error")
+            await send_error(send, 502, f"no pod answered: {detail}", "upstream_error")
         except asyncio.CancelledError:
-            if not _departed(watcher) or asyncio.current_task().uncancel():  # not (only) the client's
+            if not departed(watcher) or asyncio.current_task().uncancel():  # not (only) the client's
                 raise
             outcome = "client_gone"
         finally:
             watcher.cancel()
             metrics.REQUESTS.labels(policy, pod, outcome).inc()
 
-    async def _prefill(
-        self, decision: Decision, headers: list[tuple[bytes, bytes]], target: bytes
-    ) -> _Prefilled:
-        """The prefill step of a request served in two steps (``routing.disaggregation``): its
-        prompt, with ``do_remote_decode`` and one output token, to the best prefill pod, then the
-        next ones after a connect error, a 5xx or a 429 (``retries`` more at most). The answer's
-        ``kv_transfer_params``; or the pod's refusal of the request itself (another 4xx), which is
-        the client's answer; or neither (counted): the decode pod then serves it whole."""
-        body = prefill_body(decision.payload)
+    async def _prefill(self, decision: Decision, headers: list[tuple[bytes, bytes]], target: bytes) -> _Step:
+        """The prefill step of a request served in two steps (``routing.disaggregation``) on the
+        best prefill pod, then the next ones after a failure (``retries`` more at most): its
+        ``kv_transfer_params``, or the pod's refusal of the request itself, or neither (counted):
+        the decode pod then serves it whole."""
         routing, reason = metrics.ROUTING, "no_pod"
         for candidate in decision.prefill[: 1 + self.settings.retries]:
             pod = candidate.pod
@@ -328,37 +317,32 @@ class GatewayApp:
             dispatch = self.load.start(pod, prefill_blocks=uncached, learn=False)
             sent = time.perf_counter()
             try:
-                status, answer = await self._upstream.fetch(
+                step = await prefill(
+                    self._upstream,
                     decision.pods[pod],
                     target,
                     headers,
+                    decision.payload,
                     timeout=self.settings.prefill_timeout,
-                    max_bytes=MAX_PREFILL_ANSWER_BYTES,
-                    method=b"POST",
-                    body=body,
                 )
-            except UpstreamError as error:
-                reason = error.reason
-                log.info("the prefill step on %s failed: %s", pod, error)
-                continue
             finally:
                 self.load.finish(dispatch)
-            if status >= 500 or status == 429:
-                reason = "status"
+            if step.refusal is not None:
+                metrics.PD_PREFILLS.labels(pod, "refused").inc()
+                return _Step(pod, step, candidate.matched)
+            if step.params is None:
+                reason = step.failure
+                metrics.PD_PREFILLS.labels(pod, reason).inc()
+                log.info("the prefill step on %s failed: %s", pod, reason)
                 continue
-            if status != 200:
-                return _Prefilled(pod, refusal=(status, answer))
-            params = transfer_params(answer)
-            if params is None:
-                reason = "no_transfer_params"
-                continue
+            metrics.PD_PREFILLS.labels(pod, "ok").inc()
             metrics.PD_STEP.labels("prefill").observe(time.perf_counter() - sent)
             self.router.chosen(decision, candidate)
             routing.pd_requests.labels(DISAGGREGATED).inc()
-            return _Prefilled(pod, params=params, matched=candidate.matched)
+            return _Step(pod, step, candidate.matched)
         routing.pd_fallbacks.labels(reason).inc()
         routing.pd_requests.labels(FALLBACK).inc()
-        return _Prefilled("")
+        return _Step("", Prefilled(failure=reason), 0)
 
     async def _relay(
         self,
@@ -370,51 +354,22 @@ class GatewayApp:
         extra: list[tuple[bytes, bytes]],
         step: str | None,
     ) -> str:
-        """The pod's answer to the client as it comes, with the ``extra`` headers; returns the
-        outcome. The client's head waits for the body's first bytes: a body malformed from its
-        start is a 502, not a 200 cut short. A body that breaks off later leaves the client's
-        answer unfinished (uvicorn closes it). ``step``: the P/D step whose time ends with the
+        """The pod's answer to the client (:func:`relay`) with the gateway's headers and the
+        ``extra`` ones; returns the outcome. ``step``: the P/D step whose time ends with the
         first bytes (``transfer``: the decode pod pulled the prompt's KV cache, then answered)."""
         policy = self.policy.name
-        done = False
-        try:
-            try:
-                chunk = await response.next_chunk()
-            except UpstreamError as error:
-                await _send_error(send, 502, f"{candidate.pod} answered malformed: {error}", "upstream_error")
-                return "upstream_error"
+        headers = [(b"x-kvcache-pod", candidate.pod.encode())]
+        if self.settings.matched_blocks_header:
+            headers.append((b"x-kvcache-matched-blocks", str(candidate.matched).encode()))
+        headers.append((b"x-kvcache-policy", policy.encode()))
+
+        def first_bytes() -> None:
             metrics.TTFT.labels(policy).observe(time.perf_counter() - sent)
             if step is not None:
                 metrics.PD_STEP.labels(step).observe(time.perf_counter() - sent)
             self.load.answered(dispatch)
-            headers = [
-                (k, v)
-                for k, v in response.headers
-                if k.lower() not in HOP_BY_HOP or k.lower() == b"content-length"
-            ]
-            headers.append((b"x-kvcache-pod", candidate.pod.encode()))
-            if self.settings.matched_blocks_header:
-                headers.append((b"x-kvcache-matched-blocks", str(candidate.matched).encode()))
-            headers.append((b"x-kvcache-policy", policy.encode()))
-            headers += extra
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
-            while True:
-                last = response.at_end()
-                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-                if last:
-                    break
-                try:
-                    chunk = await response.next_chunk()
-                except UpstreamError as error:
-                    log.warning("the answer of %s broke off: %s", candidate.pod, error)
-                    return "upstream_error"
-            done = True
-            return "ok"
-        finally:
-            if done:
-                response.release()  # read to the end: the connection is kept for the next request
-            else:
-                response.close()  # closing the connection ends the pod's request
+
+        return await relay(response, send, candidate.pod, headers + extra, first_bytes)
 
     def _pod_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         """The client's request headers for the pod, bytes as they came, less the hop-by-hop ones
@@ -447,22 +402,67 @@ class GatewayApp:
         }
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes:
+async def relay(
+    response: UpstreamResponse,
+    send: Send,
+    pod: str,
+    extra: list[tuple[bytes, bytes]],
+    first_bytes: Callable[[], None] = lambda: None,
+) -> str:
+    """``pod``'s answer to the client as it comes, with the ``extra`` headers; returns the outcome
+    (``ok`` or ``upstream_error``). The client's head waits for the body's first bytes
+    (``first_bytes`` is called when they come): a body malformed from its start is a 502, not a
+    200 cut short. A body that breaks off later leaves the client's answer unfinished (uvicorn
+    closes it)."""
+    done = False
+    try:
+        try:
+            chunk = await response.next_chunk()
+        except UpstreamError as error:
+            await send_error(send, 502, f"{pod} answered malformed: {error}", "upstream_error")
+            return "upstream_error"
+        first_bytes()
+        headers = [
+            (k, v)
+            for k, v in response.headers
+            if k.lower() not in HOP_BY_HOP or k.lower() == b"content-length"
+        ]
+        await send({"type": "http.response.start", "status": response.status, "headers": headers + extra})
+        while True:
+            last = response.at_end()
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                break
+            try:
+                chunk = await response.next_chunk()
+            except UpstreamError as error:
+                log.warning("the answer of %s broke off: %s", pod, error)
+                return "upstream_error"
+        done = True
+        return "ok"
+    finally:
+        if done:
+            response.release()  # read to the end: the connection is kept for the next request
+        else:
+            response.close()  # closing the connection ends the pod's request
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
     parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _Refused(499, "the client went away")
+            raise Refused(499, "the client went away")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise _Refused(413, f"the body is over {limit} bytes")
+            raise Refused(413, f"the body is over {limit} bytes")
         parts.append(chunk)
         if not message.get("more_body"):
             return b"".join(parts)
 
 
-async def _cancel_on_departure(receive: Receive, request: asyncio.Task | None) -> None:
+async def cancel_on_departure(receive: Receive, request: asyncio.Task | None) -> None:
     """Cancels ``request`` (the task relaying it) when its client goes away."""
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -470,12 +470,12 @@ async def _cancel_on_departure(receive: Receive, request: asyncio.Task | None) -
         request.cancel()
 
 
-def _departed(watcher: asyncio.Task) -> bool:
-    """Whether ``_cancel_on_departure`` saw the client go (and cancelled the request)."""
+def departed(watcher: asyncio.Task) -> bool:
+    """Whether ``cancel_on_departure`` saw the client go (and cancelled the request)."""
     return watcher.done() and not watcher.cancelled() and watcher.exception() is None
 
 
-async def _send(
+async def send_bytes(
     send: Send, status: int, body: bytes, content_type: bytes, extra: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(extra or ())]
@@ -483,14 +483,14 @@ async def _send(
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_json(
+async def send_json(
     send: Send, status: int, payload: Any, extra: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    await _send(send, status, orjson.dumps(payload), b"application/json", extra)
+    await send_bytes(send, status, orjson.dumps(payload), b"application/json", extra)
 
 
-async def _send_error(
+async def send_error(
     send: Send, status: int, message: str, kind: str, extra: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     """OpenAI's error shape."""
-    await _send_json(send, status, {"error": {"message": message, "type": kind, "code": status}}, extra)
+    await send_json(send, status, {"error": {"message": message, "type": kind, "code": status}}, extra)

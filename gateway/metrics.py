@@ -47,6 +47,14 @@ TTFT = Histogram(
     buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+PD_PREFILLS = Counter(
+    "kvcache_gateway_pd_prefills",
+    "Prefill steps of requests served with prefill/decode disaggregation, by prefill pod and outcome "
+    "(ok; refused: the pod refused the request itself, its answer the client's; else why it failed: "
+    "connect, timeout, closed, malformed, too_large, status, no_transfer_params).",
+    ["pod", "outcome"],
+    registry=REGISTRY,
+)
 PD_STEP = Histogram(
     "kvcache_gateway_pd_step_seconds",
     "Steps of requests served with prefill/decode disaggregation: prefill (from sending the prompt "

@@ -40,8 +40,8 @@
 | KVCACHE_GATEWAY_FIRST_BYTE_TIMEOUT | 300 | seconds the gateway waits for a pod's answer to begin (504) |
 | KVCACHE_GATEWAY_POD_API_KEY | "" (the client's) | the ``Bearer`` key the gateway sends the pods |
 | KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER | false | send ``x-kvcache-matched-blocks`` (a prefix-cache oracle) |
-| KVCACHE_PD_THRESHOLD_TOKENS | 0 | P/D: fewer prompt tokens to compute on the decode pod skip the prefill step |
-| KVCACHE_PD_PREFILL_TIMEOUT | 60 | P/D: seconds for a prefill pod's answer (then the decode pod serves it whole) |
+| KVCACHE_PD_THRESHOLD_TOKENS | 0 | P/D: fewer prompt tokens left to compute skip the prefill step |
+| KVCACHE_PD_PREFILL_TIMEOUT | 60 | P/D: seconds for a prefill pod's answer (then served whole) |
 | KVCACHE_GATEWAY_URLS | "" (none) | gateways whose routed requests the dashboard counts as scoring traffic |
 | KVCACHE_LARGE_PROMPT_CHARS | 262144 | prompts this long are tokenized in a child process (0: never) |
 | KVCACHE_SCORING_THREADS | 8 | threads per web worker that run scoring off the event loop |

@@ -13,7 +13,8 @@ A request whose prompt the chosen decode pod would have to compute less than ``t
 of skips the prefill step (``short_prompt``): the extra hop costs more than a short prefill on
 the decode pod (Dynamo's ``max_local_prefill_length``, llm-d's P/D threshold).
 
-No Django, no I/O: the fronts (the gateway, the EPP's sidecar) carry the requests.
+:func:`prefill` runs the prefill step on one pod; the fronts (the gateway; under the EPP, the
+decode pod's sidecar, ``gateway.sidecar``) carry the rest. No Django.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import orjson
+
+from routing.upstream import Upstream, UpstreamError
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -95,3 +98,46 @@ def transfer_params(answer: bytes) -> dict | None:
 def decode_body(payload: Mapping[str, object], params: Mapping[str, object]) -> bytes:
     """The decode step's request: the client's, with the prefill answer's ``kv_transfer_params``."""
     return orjson.dumps({**payload, "kv_transfer_params": dict(params)})
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """What a prefill step came to: the ``params`` for the decode pod; or the pod's ``refusal``
+    of the request itself (a 4xx but 429: status, body), which is the client's answer; or
+    neither, and the ``failure`` (an ``UpstreamError`` reason, ``status``: a 5xx or 429, or
+    ``no_transfer_params``): the decode pod then serves the request whole."""
+
+    params: dict | None = None
+    refusal: tuple[int, bytes] | None = None
+    failure: str = ""
+
+
+async def prefill(
+    upstream: Upstream,
+    address: str,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    payload: Mapping[str, object],
+    *,
+    timeout: float,
+) -> Prefilled:
+    """The prefill step of ``payload`` (the client's request to ``target``) on the pod at
+    ``address``: its whole answer within ``timeout`` seconds."""
+    try:
+        status, answer = await upstream.fetch(
+            address,
+            target,
+            headers,
+            timeout=timeout,
+            max_bytes=MAX_PREFILL_ANSWER_BYTES,
+            method=b"POST",
+            body=prefill_body(payload),
+        )
+    except UpstreamError as error:
+        return Prefilled(failure=error.reason)
+    if status >= 500 or status == 429:
+        return Prefilled(failure="status")
+    if status != 200:
+        return Prefilled(refusal=(status, answer))
+    params = transfer_params(answer)
+    return Prefilled(params=params) if params is not None else Prefilled(failure="no_transfer_params")
