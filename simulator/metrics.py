@@ -66,7 +66,7 @@ class _EngineObserver:
 
     def request_finished(self, state: RequestState, e2e: float) -> None:
         reason = state.finish_reason or "abort"
-        self._metrics.request_success.labels(**self._labels, finish_reason=reason).inc()
+        self._metrics.request_success.labels(**self._labels, finished_reason=reason).inc()
         if reason != "abort":
             self._e2e.observe(e2e)
 
@@ -139,7 +139,7 @@ class PodMetrics:
         self.request_success = Counter(
             "vllm:request_success",
             "Finished requests, by finish reason.",
-            (*_LABELS, "finish_reason"),
+            (*_LABELS, "finished_reason"),
             registry=r,
         )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", _LABELS, registry=r)

@@ -254,7 +254,8 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request(qwen: PodTokenize
     running, used, metrics = run_with(fleet, body)
     assert (running, used) == (0, 0)
     assert (
-        f'vllm:request_success_total{{engine="0",finish_reason="abort",model_name="{MODEL}"}} 1.0' in metrics
+        f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}} 1.0'
+        in metrics
     )
 
 

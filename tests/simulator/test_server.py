@@ -440,7 +440,9 @@ def test_metrics_have_vllm_names_per_pod(served: Served) -> None:
         "vllm:e2e_request_latency_seconds_count",
     ):
         assert f"{name}{{{labels}}}" in text, name
-    assert f'vllm:request_success_total{{engine="0",finish_reason="length",model_name="{MODEL}"}} 2.0' in text
+    assert (
+        f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL}"}} 2.0' in text
+    )
     assert f"vllm:generation_tokens_total{{{labels}}} 6.0" in text
     hits = next(line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
     assert float(hits.split()[-1]) > 0
