@@ -10,10 +10,13 @@ Lifecycle of a request (:class:`EngineRequest` in, :class:`RequestState` out of 
    up (never the whole prompt: vLLM caps the hit at ``prompt_tokens - 1`` tokens, so that at least
    one token is computed for the logits; with an exact multiple of the block size fully cached,
    the last prompt block is recomputed), it takes references on the hit blocks and fresh blocks for
-   everything else (evicting LRU), and the full prompt blocks are stored. A request waits for KV
-   room instead of failing.
+   everything else (evicting LRU), and the full prompt blocks are stored (a remote prefill's in
+   step 3). A request waits for KV room instead of failing.
 3. **prefill** - the first token comes ``TTFT`` after admission (``simulator.latency``), and never
-   before the blocks it hit are computed by the request that is prefilling them.
+   before the blocks it hit are computed by the request that is prefilling them. A request whose
+   prompt another pod prefilled (``remote_prefill``) computes nothing: the prompt tokens it did not
+   hit are loaded, and its first token comes the transfer time after admission; its prompt blocks
+   are stored when they have arrived, with the first token (vLLM caches loaded blocks then).
 4. **decode** - one token per inter-token latency; after token ``k`` the sequence has
    ``prompt + k - 1`` computed tokens (the last sampled token has no KV yet, as in vLLM), and each
    block they fill is stored then, so generated tokens are cached for the next turn.
@@ -40,7 +43,7 @@ from ingest.events import Event
 from kvindex.keys import block_keys
 from simulator.cache import BlockCache
 from simulator.config import EngineConfig, LatencyConfig
-from simulator.latency import Jitter, inter_token_latency, time_to_first_token
+from simulator.latency import Jitter, inter_token_latency, kv_transfer_time, time_to_first_token
 
 __all__ = [
     "Engine",
@@ -73,7 +76,8 @@ class EngineSleeping(EngineError):
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """What to run: the prompt's token ids and the output tokens the request will produce (at
-    least one), the finish reason to report when they are all out, and the LoRA adapter."""
+    least one), the finish reason to report when they are all out, and the LoRA adapter.
+    ``remote_prefill``: another pod prefilled the prompt; its KV is loaded, not computed."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -81,6 +85,7 @@ class EngineRequest:
     finish_reason: str = "stop"
     lora_name: str | None = None
     lora_id: int | None = None
+    remote_prefill: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -91,7 +96,9 @@ class EngineRequest:
 
 @dataclass(eq=False, slots=True)
 class RequestState:
-    """A submitted request as the engine tracks it. ``cached_tokens`` is known once admitted."""
+    """A submitted request as the engine tracks it. ``cached_tokens`` (the prompt tokens hit in
+    this engine's cache) is known once admitted, and for a remote prefill ``transferred_tokens``
+    (the rest of the prompt, loaded from the prefill pod) and ``transfer_time`` (seconds)."""
 
     request: EngineRequest
     tokens: tuple[int, ...]  # prompt then output
@@ -101,6 +108,8 @@ class RequestState:
     status: str = "waiting"  # waiting -> running -> finished
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    transferred_tokens: int = 0
+    transfer_time: float = 0.0
     generated: int = 0
     stored_blocks: int = 0
     admitted_at: float | None = None
@@ -118,6 +127,8 @@ class EngineObserver(Protocol):
 
     def request_admitted(self, state: RequestState) -> None: ...
 
+    def kv_transferred(self, state: RequestState, seconds: float) -> None: ...
+
     def first_token(self, state: RequestState, ttft: float) -> None: ...
 
     def next_token(self, state: RequestState, itl: float) -> None: ...
@@ -127,6 +138,9 @@ class EngineObserver(Protocol):
 
 class _NoObserver:
     def request_admitted(self, state: RequestState) -> None:
+        pass
+
+    def kv_transferred(self, state: RequestState, seconds: float) -> None:
         pass
 
     def first_token(self, state: RequestState, ttft: float) -> None:
@@ -239,6 +253,8 @@ class Engine:
             await state.admitted.wait()
             await self._sleep_until(state.first_token_at)
             now = self._clock()
+            if state.request.remote_prefill:
+                self.observer.kv_transferred(state, state.transfer_time)
             self.observer.first_token(state, now - state.arrival)
             planned = max(state.first_token_at, now)
             last = now
@@ -304,17 +320,26 @@ class Engine:
         state.blocks = self.cache.allocate(hits, fresh)
         state.cached_tokens = len(hits) * size
         self._running.append(state)
-        ttft = time_to_first_token(
-            self.latency,
-            prompt_tokens=state.prompt_tokens,
-            cached_tokens=state.cached_tokens,
-            running=len(self._running),
-            max_num_seqs=self.config.max_num_seqs,
-        )
-        state.first_token_at = max(now, ready) + self._jitter.apply(ttft, self.latency.jitter)
+        if state.request.remote_prefill:
+            # vLLM's NixlConnector loads only the prompt tokens beyond the local prefix hit.
+            state.transferred_tokens = state.prompt_tokens - state.cached_tokens
+            transfer = kv_transfer_time(self.latency, transferred_tokens=state.transferred_tokens)
+            state.transfer_time = self._jitter.apply(transfer, self.latency.jitter)
+            state.first_token_at = max(now, ready) + state.transfer_time
+        else:
+            ttft = time_to_first_token(
+                self.latency,
+                prompt_tokens=state.prompt_tokens,
+                cached_tokens=state.cached_tokens,
+                running=len(self._running),
+                max_num_seqs=self.config.max_num_seqs,
+            )
+            state.first_token_at = max(now, ready) + self._jitter.apply(ttft, self.latency.jitter)
         state.admitted_at = now
         state.status = "running"
-        self._store(state, upto=state.prompt_tokens // size, ready_at=state.first_token_at)
+        if not state.request.remote_prefill:
+            # Loaded blocks are stored once they arrive, with the first token (_store_computed).
+            self._store(state, upto=state.prompt_tokens // size, ready_at=state.first_token_at)
         self.observer.request_admitted(state)
         state.admitted.set()
 

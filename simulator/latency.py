@@ -7,6 +7,8 @@ stays 0.2 ms (the reference simulator truncates such values to 0).
   request, ``f`` (``load_factor``) with a full batch; 1 when ``max_num_seqs`` is 1;
 * TTFT = (``prefill_overhead`` + (prompt_tokens - cached_tokens) * ``prefill_time_per_token``) * m;
 * ITL = ``inter_token_latency`` * m, evaluated for each token with the load at that time;
+* KV transfer (a prompt prefilled by another pod) = ``kv_cache_transfer_latency`` + transferred
+  tokens * ``kv_cache_transfer_time_per_token``, in place of the TTFT and without ``m``;
 * jitter: each value times a seeded Gaussian factor N(1, jitter) clipped to [1 - 3 jitter,
   1 + 3 jitter]; with jitter <= 0.3 (enforced by ``LatencyConfig``) a positive value stays positive.
 """
@@ -17,7 +19,7 @@ import random
 
 from simulator.config import LatencyConfig
 
-__all__ = ["Jitter", "inter_token_latency", "load_multiplier", "time_to_first_token"]
+__all__ = ["Jitter", "inter_token_latency", "kv_transfer_time", "load_multiplier", "time_to_first_token"]
 
 _MS = 1e-3
 
@@ -43,6 +45,15 @@ def inter_token_latency(config: LatencyConfig, *, running: int, max_num_seqs: in
     """Seconds between two output tokens, without jitter."""
     multiplier = load_multiplier(config.load_factor, running=running, max_num_seqs=max_num_seqs)
     return config.inter_token_latency_ms * _MS * multiplier
+
+
+def kv_transfer_time(config: LatencyConfig, *, transferred_tokens: int) -> float:
+    """Seconds to load ``transferred_tokens`` of KV from the pod that prefilled them, without
+    jitter. The load does not slow it down: the batch does not compute it."""
+    nominal = (
+        config.kv_cache_transfer_latency_ms + transferred_tokens * config.kv_cache_transfer_time_per_token_ms
+    )
+    return nominal * _MS
 
 
 class Jitter:

@@ -5,6 +5,13 @@ vLLM) and ``engine`` (the data-parallel rank). Counters and histograms are fed b
 (:class:`PodMetrics` makes one ``EngineObserver`` per rank); gauges are read from the engines when
 ``/metrics`` is scraped, so they are never stale. The prefix-cache counters count tokens, as vLLM's:
 ``queries`` the prompt tokens looked up, ``hits`` the cached tokens found.
+
+Prefill/decode disaggregation, as vLLM with NixlConnector counts it (every pod can load a KV cache
+another pod prefilled): ``vllm:external_prefix_cache_queries`` the prompt tokens not hit locally,
+``vllm:external_prefix_cache_hits`` those loaded from the prefill pod, ``vllm:prompt_tokens_by_source``
+every prompt token by where its KV came from (``local_compute``, ``local_cache_hit``,
+``external_kv_transfer``), ``vllm:nixl_xfer_time_seconds`` one observation per transfer and
+``vllm:nixl_num_failed_transfers`` (no transfer fails here: it stays 0).
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ _ITL_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+# vLLM's (nixl/stats.py): its transfer histogram drops the first of its 1 ms..5 s list.
+_XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+_PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _E2E_BUCKETS = (
     0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -45,7 +55,15 @@ class _EngineObserver:
         self._metrics = metrics
         self._queries = metrics.prefix_cache_queries.labels(**labels)
         self._hits = metrics.prefix_cache_hits.labels(**labels)
+        self._external_queries = metrics.external_prefix_cache_queries.labels(**labels)
+        self._external_hits = metrics.external_prefix_cache_hits.labels(**labels)
         self._prompt = metrics.prompt_tokens.labels(**labels)
+        self._by_source = {
+            source: metrics.prompt_tokens_by_source.labels(**labels, source=source)
+            for source in _PROMPT_TOKEN_SOURCES
+        }
+        self._xfer_time = metrics.nixl_xfer_time.labels(**labels)
+        metrics.nixl_failed_transfers.labels(**labels)  # exposed at 0: no simulated transfer fails
         self._generation = metrics.generation_tokens.labels(**labels)
         self._ttft = metrics.ttft.labels(**labels)
         self._itl = metrics.itl.labels(**labels)
@@ -54,7 +72,16 @@ class _EngineObserver:
     def request_admitted(self, state: RequestState) -> None:
         self._queries.inc(state.prompt_tokens)
         self._hits.inc(state.cached_tokens)
+        self._external_queries.inc(state.prompt_tokens - state.cached_tokens)
+        self._external_hits.inc(state.transferred_tokens)
         self._prompt.inc(state.prompt_tokens)
+        computed = state.prompt_tokens - state.cached_tokens - state.transferred_tokens
+        self._by_source["local_compute"].inc(computed)
+        self._by_source["local_cache_hit"].inc(state.cached_tokens)
+        self._by_source["external_kv_transfer"].inc(state.transferred_tokens)
+
+    def kv_transferred(self, state: RequestState, seconds: float) -> None:
+        self._xfer_time.observe(seconds)
 
     def first_token(self, state: RequestState, ttft: float) -> None:
         self._ttft.observe(ttft)
@@ -142,7 +169,25 @@ class PodMetrics:
             (*_LABELS, "finished_reason"),
             registry=r,
         )
+        self.external_prefix_cache_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "KV-connector prefix-cache queries, in prompt tokens not hit locally.",
+            _LABELS,
+            registry=r,
+        )
+        self.external_prefix_cache_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "KV-connector prefix-cache hits, in prompt tokens loaded from a prefill pod.",
+            _LABELS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", _LABELS, registry=r)
+        self.prompt_tokens_by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by source: local_compute, local_cache_hit, external_kv_transfer.",
+            (*_LABELS, "source"),
+            registry=r,
+        )
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", _LABELS, registry=r)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -164,6 +209,16 @@ class PodMetrics:
             _LABELS,
             buckets=_E2E_BUCKETS,
             registry=r,
+        )
+        self.nixl_xfer_time = Histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Duration of a KV-cache transfer from a prefill pod.",
+            _LABELS,
+            buckets=_XFER_BUCKETS,
+            registry=r,
+        )
+        self.nixl_failed_transfers = Counter(
+            "vllm:nixl_num_failed_transfers", "Failed KV-cache transfers.", _LABELS, registry=r
         )
         r.register(_GaugeCollector(self))
 

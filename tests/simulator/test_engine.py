@@ -16,8 +16,12 @@ from tests.simulator.conftest import ZERO_LATENCY
 B = 16
 
 
-def request(prompt: range | list[int], output: range | list[int], name: str = "r") -> EngineRequest:
-    return EngineRequest(request_id=name, prompt_ids=tuple(prompt), output_ids=tuple(output))
+def request(
+    prompt: range | list[int], output: range | list[int], name: str = "r", *, remote_prefill: bool = False
+) -> EngineRequest:
+    return EngineRequest(
+        request_id=name, prompt_ids=tuple(prompt), output_ids=tuple(output), remote_prefill=remote_prefill
+    )
 
 
 def engine(batches: list | None = None, latency: LatencyConfig = ZERO_LATENCY, **config: object) -> Engine:
@@ -196,3 +200,102 @@ def test_a_hit_on_blocks_still_being_prefilled_waits_for_them() -> None:
     assert a.first_token_at == pytest.approx(100 + 0.001 + 0.064)
     # b cannot start before a's blocks exist, then computes its own 16 tokens.
     assert b.first_token_at == pytest.approx(a.first_token_at + 0.001 + 0.016)
+
+
+# --- a prompt prefilled by another pod (P/D disaggregation) ----------------------------------------
+
+
+def virtual_engine(time: VirtualTime, latency: LatencyConfig, batches: list | None = None) -> Engine:
+    return Engine(
+        config=EngineConfig(hash_seed="42", block_size=B),
+        latency=latency,
+        on_events=batches.append if batches is not None else None,
+        clock=time.clock,
+        sleep=time.sleep,
+    )
+
+
+TRANSFER = LatencyConfig(
+    prefill_overhead_ms=50,
+    prefill_time_per_token_ms=10,
+    inter_token_latency_ms=2,
+    kv_cache_transfer_latency_ms=3,
+    kv_cache_transfer_time_per_token_ms=0.5,
+)
+
+
+def test_a_remote_prefill_waits_for_the_transfer_of_its_prompt_instead_of_prefilling_it() -> None:
+    time = VirtualTime()
+    (state,) = run(virtual_engine(time, TRANSFER), request(range(40), range(3), remote_prefill=True))
+    assert (state.cached_tokens, state.transferred_tokens) == (0, 40)
+    assert state.transfer_time == pytest.approx(0.003 + 40 * 0.0005)
+    assert state.first_token_at - state.admitted_at == pytest.approx(state.transfer_time)
+    assert state.generated == 3
+
+
+def test_a_remote_prefill_transfers_only_what_it_does_not_hold_already() -> None:
+    time = VirtualTime()
+    e = virtual_engine(time, TRANSFER)
+    _, decode = run(e, request(range(40), [7]), request(range(40), range(3), remote_prefill=True))
+    # vLLM's NixlConnector loads the prompt tokens beyond the local prefix hit (2 blocks of 16).
+    assert (decode.cached_tokens, decode.transferred_tokens) == (32, 8)
+    assert decode.first_token_at - decode.admitted_at == pytest.approx(0.003 + 8 * 0.0005)
+
+
+def test_transferred_blocks_are_stored_when_they_arrive() -> None:
+    batches: list = []
+    time = VirtualTime()
+    e = virtual_engine(time, TRANSFER, batches)
+    prompt = list(range(40))
+
+    async def main() -> tuple[list, list]:
+        state = e.submit(request(prompt, range(3), remote_prefill=True))
+        at_admission = list(batches)
+        await drain(e, state)
+        return at_admission, batches
+
+    at_admission, after = asyncio.run(main())
+    assert at_admission == []  # nothing is cached before the KV has arrived (vLLM: delay_cache_blocks)
+    (stored,) = [ev for batch in after for ev in batch if isinstance(ev, BlockStored)]
+    assert stored.block_hashes == tuple(block_keys(prompt, seed="42"))
+    assert stored.token_ids == tuple(prompt[:32])
+    # and the next request hits them
+    (again,) = run(e, request(prompt, [1]))
+    assert again.cached_tokens == 32
+
+
+def test_a_remote_prefill_tells_the_observer_its_transfer() -> None:
+    seen: list[tuple[str, float]] = []
+
+    class Observer:
+        def request_admitted(self, state: RequestState) -> None:
+            seen.append(("admitted", state.transferred_tokens))
+
+        def kv_transferred(self, state: RequestState, seconds: float) -> None:
+            seen.append(("transferred", seconds))
+
+        def first_token(self, state: RequestState, ttft: float) -> None:
+            seen.append(("first token", ttft))
+
+        def next_token(self, state: RequestState, itl: float) -> None:
+            pass
+
+        def request_finished(self, state: RequestState, e2e: float) -> None:
+            pass
+
+    time = VirtualTime()
+    e = Engine(
+        config=EngineConfig(hash_seed="42", block_size=B),
+        latency=TRANSFER,
+        observer=Observer(),
+        clock=time.clock,
+        sleep=time.sleep,
+    )
+    run(e, request(range(20), [1]), request(range(100, 120), [1], remote_prefill=True))
+    assert seen == [
+        ("admitted", 0),
+        ("first token", pytest.approx(0.050 + 20 * 0.010)),
+        ("admitted", 20),
+        ("transferred", pytest.approx(0.003 + 20 * 0.0005)),
+        ("first token", pytest.approx(0.003 + 20 * 0.0005)),
+    ]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from simulator.config import ConfigError, LatencyConfig
-from simulator.latency import Jitter, inter_token_latency, load_multiplier, time_to_first_token
+from simulator.latency import (
+    Jitter,
+    inter_token_latency,
+    kv_transfer_time,
+    load_multiplier,
+    time_to_first_token,
+)
 
 
 def test_ttft_counts_only_uncached_prompt_tokens() -> None:
@@ -35,6 +41,14 @@ def test_ttft_and_itl_are_multiplied_by_the_load() -> None:
     ttft = time_to_first_token(config, prompt_tokens=10, cached_tokens=0, running=3, max_num_seqs=3)
     assert ttft == pytest.approx(2 * (0.010 + 10 * 0.001))
     assert inter_token_latency(config, running=2, max_num_seqs=3) == pytest.approx(1.5 * 0.004)
+
+
+def test_a_kv_transfer_costs_its_latency_and_its_tokens_whatever_the_load() -> None:
+    config = LatencyConfig(
+        kv_cache_transfer_latency_ms=3, kv_cache_transfer_time_per_token_ms=0.05, load_factor=4
+    )
+    assert kv_transfer_time(config, transferred_tokens=1000) == pytest.approx(0.003 + 1000 * 0.00005)
+    assert kv_transfer_time(config, transferred_tokens=0) == pytest.approx(0.003)
 
 
 def test_sub_millisecond_latencies_are_kept_exactly() -> None:
@@ -69,7 +83,14 @@ def test_no_jitter_leaves_values_unchanged() -> None:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"jitter": 0.5}, {"load_factor": 0.5}, {"inter_token_latency_ms": -1}, {"prefill_overhead_ms": "5"}],
+    [
+        {"jitter": 0.5},
+        {"load_factor": 0.5},
+        {"inter_token_latency_ms": -1},
+        {"prefill_overhead_ms": "5"},
+        {"kv_cache_transfer_latency_ms": -0.1},
+        {"kv_cache_transfer_time_per_token_ms": None},
+    ],
 )
 def test_invalid_latency_settings_are_refused(fields: dict) -> None:
     with pytest.raises(ConfigError):
