@@ -5,6 +5,12 @@ A request goes: model name -> adapter (or 404) -> injected failure? -> token ids
 tokenizer and chat template, so router and pod agree on every block key) -> context-window check
 (400 with vLLM's message) -> outputs decided (echo or random) -> one engine request per prompt and
 choice, all on the least loaded rank so that choices share their prompt's blocks.
+
+Prefill/decode disaggregation (``kv_transfer_params``, vLLM NixlConnector's): any pod prefills for
+another pod (``do_remote_decode``: one token, finish reason ``remote_decode``, and
+:meth:`Pod.kv_transfer_answer` for the decode request) and decodes what another pod prefilled
+(``do_remote_prefill``: the prompt's KV beyond the local prefix hit is loaded, see
+``simulator.engine``).
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
 
+from ingest.applier import holder_id
 from ingest.events import Event
 from simulator.config import (
     ConfigError,
@@ -38,13 +45,16 @@ from simulator.errors import (
 )
 from simulator.metrics import PodMetrics
 from simulator.outputs import SENTENCES, Output, echo_output, random_output, request_rng, token_texts
-from simulator.protocol import ChatParams, SamplingParams, Usage
+from simulator.protocol import ChatParams, KVTransferParams, SamplingParams, Usage
 from tokenization.chat_templates import ChatTemplateError, render_chat
 from tokenization.tokenizers import LoadedTokenizer, TokenizerRegistry
 
 __all__ = ["Choice", "Pod", "PodTokenizer", "RankLoad", "Submission"]
 
 DEFAULT_MAX_LORAS = 8
+REMOTE_DECODE: Final = "remote_decode"
+"""The finish reason of a prefill for another pod (llm-d-inference-sim's; vLLM reports ``length``,
+the prefill request's ``max_tokens`` being 1)."""
 
 
 class PodTokenizer:
@@ -118,6 +128,7 @@ class Submission:
     created: int
     choices: list[Choice]
     prompt_tokens: list[int] = field(default_factory=list)
+    kv_transfer: KVTransferParams | None = None
 
     def usage(self) -> Usage:
         firsts: dict[int, Choice] = {}
@@ -126,8 +137,20 @@ class Submission:
         return Usage(
             prompt_tokens=sum(self.prompt_tokens),
             completion_tokens=sum(c.state.generated for c in self.choices),
-            cached_tokens=sum(c.state.cached_tokens for c in firsts.values()),
+            cached_tokens=sum(self._cached_tokens(c) for c in firsts.values()),
         )
+
+    def _cached_tokens(self, choice: Choice) -> int:
+        """The cached tokens vLLM (0.32) reports: the local prefix hit; for a decode of another
+        pod's prefill, the prefill's hit when the request carries it (the prefill answer's
+        ``remote_prefill_cached_tokens``), else every prompt token it did not compute (local hit
+        and transferred)."""
+        state = choice.state
+        if not state.request.remote_prefill:
+            return state.cached_tokens
+        if self.kv_transfer is not None and self.kv_transfer.remote_prefill_cached_tokens is not None:
+            return self.kv_transfer.remote_prefill_cached_tokens
+        return state.cached_tokens + state.transferred_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,11 +339,20 @@ class Pod:
         sampling: SamplingParams,
         adapter: LoraAdapter | None,
         param: str,
+        kv_transfer: KVTransferParams | None = None,
     ) -> Submission:
         """Start every choice of a request: ``prompts`` are (prompt ids, echo source ids). Raises
         ``OpenAIError``: 400 for a context-window overflow or a request that can never fit in the
         KV cache, 429 when the waiting queue is full, 503 while sleeping. Nothing is left running
-        when it raises."""
+        when it raises.
+
+        ``kv_transfer``: with ``do_remote_decode`` each choice is a prefill for another pod, one
+        token (the first the request would produce) and the finish reason ``remote_decode``; with
+        ``do_remote_prefill`` the prompts' KV is loaded (the ``remote_*`` fields are not needed:
+        nothing is really read from the prefill pod)."""
+        remote_decode = kv_transfer is not None and kv_transfer.do_remote_decode
+        remote_prefill = kv_transfer is not None and kv_transfer.do_remote_prefill
+        output_sampling = replace(sampling, max_tokens=1) if remote_decode else sampling
         limit = self.config.engine.max_model_len
         for prompt_ids, _ in prompts:
             if not prompt_ids:
@@ -333,19 +365,24 @@ class Pod:
                     param=param,
                 )
         engine = min(self.engines, key=lambda e: e.num_running + e.num_waiting)
-        submission = Submission(request_id=request_id, model=model, created=int(time.time()), choices=[])
+        submission = Submission(
+            request_id=request_id, model=model, created=int(time.time()), choices=[], kv_transfer=kv_transfer
+        )
         try:
             for p, (prompt_ids, echo_source) in enumerate(prompts):
                 submission.prompt_tokens.append(len(prompt_ids))
                 for j in range(sampling.n):
-                    output = self._output(prompt_ids, echo_source, sampling, j, limit - len(prompt_ids))
+                    output = self._output(
+                        prompt_ids, echo_source, output_sampling, j, limit - len(prompt_ids)
+                    )
                     request = EngineRequest(
                         request_id=f"{request_id}-{p}-{j}",
                         prompt_ids=tuple(prompt_ids),
                         output_ids=output.token_ids,
-                        finish_reason=output.finish_reason,
+                        finish_reason=REMOTE_DECODE if remote_decode else output.finish_reason,
                         lora_name=adapter.name if adapter else None,
                         lora_id=adapter.lora_id if adapter else None,
+                        remote_prefill=remote_prefill,
                     )
                     state = engine.submit(request)
                     texts = self.tokenizer.texts(output.token_ids)
@@ -361,6 +398,31 @@ class Pod:
                 raise OpenAIError(503, str(error), type="server_error", code="sleeping") from None
             raise
         return submission
+
+    def kv_transfer_answer(
+        self, submission: Submission, *, host: str | None, port: int | None
+    ) -> dict[str, Any] | None:
+        """The top-level ``kv_transfer_params`` of a finished prefill's answer, which its decode
+        request carries (vLLM NixlConnector's ``request_finished``); ``None`` unless the request
+        asked ``do_remote_decode``. As vLLM answers a batch, the first prompt's: the engine (the
+        index's name of the rank, ``ingest.applier.holder_id``), its blocks (one list per KV-cache
+        group, vLLM >= 0.11's shape: here one group), the pod's address (``host``, ``port``: where
+        the request reached it) and the prompt tokens it had cached."""
+        kv = submission.kv_transfer
+        if kv is None or not kv.do_remote_decode or not submission.choices:
+            return None
+        first = submission.choices[0]
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(first.state.blocks)],
+            "remote_engine_id": holder_id(self.config.pod_id, self.engines.index(first.engine)),
+            "remote_request_id": submission.request_id,
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": 1,
+            "remote_prefill_cached_tokens": first.state.cached_tokens,
+        }
 
     def _output(
         self,

@@ -4,6 +4,11 @@ Parsing validates only what the simulator uses and raises :func:`~simulator.erro
 naming the field to fix; unknown fields are ignored, as vLLM ignores most sampling options it is
 not asked about here (temperature, top_p...). Responses follow vLLM's OpenAI server: ``usage``
 always carries ``prompt_tokens_details.cached_tokens``.
+
+``kv_transfer_params`` is vLLM's field for prefill/decode disaggregation (NixlConnector's keys,
+:class:`KVTransferParams`): a request sets ``do_remote_decode`` to be prefilled here for another
+pod, or ``do_remote_prefill`` with the prefill pod's answer to decode here what it prefilled. The
+answer of a prefill carries the top-level ``kv_transfer_params`` the decode request needs.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from simulator.errors import bad_request
 __all__ = [
     "ChatParams",
     "CompletionParams",
+    "KVTransferParams",
     "SamplingParams",
     "Usage",
     "chat_chunk",
@@ -47,12 +53,35 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """A request's ``kv_transfer_params``, vLLM NixlConnector's keys (unknown ones are ignored).
+
+    ``do_remote_decode``: prefill here, for another pod to decode (one token, answered with
+    ``finish_reason: "remote_decode"`` and the params of the transfer). ``do_remote_prefill``: the
+    prompt was prefilled by the pod the ``remote_*`` fields name; its KV is loaded from there
+    instead of computed. ``remote_block_ids`` is kept as given (vLLM >= 0.11 sends a list per KV
+    cache group, older ones and llm-d-inference-sim a flat list); ``remote_prefill_cached_tokens``
+    (vLLM's, in a prefill's answer) is what a decode reports as its cached tokens."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: tuple[Any, ...] | None = None
+    tp_size: int | None = None
+    remote_prefill_cached_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionParams:
     """``POST /v1/completions``: one or more prompts, each text or token ids."""
 
     model: str
     prompts: tuple[str | tuple[int, ...], ...]
     sampling: SamplingParams
+    kv_transfer: KVTransferParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +97,7 @@ class ChatParams:
     continue_final_message: bool = False
     tools: Sequence[Mapping[str, Any]] | None = None
     documents: Sequence[Mapping[str, Any]] | None = None
+    kv_transfer: KVTransferParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +176,47 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_names: Sequence[str]) -> Sa
     )
 
 
+def _kv_transfer(body: Mapping[str, Any], sampling: SamplingParams) -> KVTransferParams | None:
+    """``kv_transfer_params``: an object or null; each known key of its type or null."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise bad_request("kv_transfer_params must be an object or null", "kv_transfer_params")
+
+    def typed(name: str, kind: type, what: str) -> Any:
+        value = params.get(name)
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise bad_request(
+                f"kv_transfer_params.{name} must be {what} or null, not {value!r}",
+                f"kv_transfer_params.{name}",
+            )
+        return value
+
+    block_ids = typed("remote_block_ids", list, "a list")
+    cached = typed("remote_prefill_cached_tokens", int, "an integer >= 0")
+    if cached is not None and cached < 0:
+        raise bad_request(
+            f"kv_transfer_params.remote_prefill_cached_tokens must be an integer >= 0, not {cached}",
+            "kv_transfer_params.remote_prefill_cached_tokens",
+        )
+    kv = KVTransferParams(
+        do_remote_decode=bool(typed("do_remote_decode", bool, "true or false")),
+        do_remote_prefill=bool(typed("do_remote_prefill", bool, "true or false")),
+        remote_engine_id=typed("remote_engine_id", str, "a string"),
+        remote_request_id=typed("remote_request_id", str, "a string"),
+        remote_host=typed("remote_host", str, "a string"),
+        remote_port=typed("remote_port", int, "an integer"),
+        remote_block_ids=tuple(block_ids) if block_ids is not None else None,
+        tp_size=typed("tp_size", int, "an integer"),
+        remote_prefill_cached_tokens=cached,
+    )
+    if kv.do_remote_decode and sampling.stream:
+        # llm-d-inference-sim's refusal, word for word: a prefill answers once, with the params.
+        raise bad_request("Prefill does not support streaming", "stream")
+    return kv
+
+
 def _token_ids(value: list, param: str) -> tuple[int, ...]:
     if not value or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise bad_request(f"{param} must be a non-empty list of token ids (integers >= 0)", param)
@@ -170,8 +241,12 @@ def parse_completion(body: object) -> CompletionParams:
         raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
     if any(p == "" for p in prompts):
         raise bad_request("prompt cannot be empty", "prompt")
+    sampling = _sampling(body, max_tokens_names=("max_tokens",))
     return CompletionParams(
-        model=_model(body), prompts=tuple(prompts), sampling=_sampling(body, max_tokens_names=("max_tokens",))
+        model=_model(body),
+        prompts=tuple(prompts),
+        sampling=sampling,
+        kv_transfer=_kv_transfer(body, sampling),
     )
 
 
@@ -184,16 +259,18 @@ def parse_chat(body: object) -> ChatParams:
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise bad_request("chat_template must be a string", "chat_template")
+    sampling = _sampling(body, max_tokens_names=("max_completion_tokens", "max_tokens"))
     return ChatParams(
         model=_model(body),
         messages=tuple(messages),
-        sampling=_sampling(body, max_tokens_names=("max_completion_tokens", "max_tokens")),
+        sampling=sampling,
         chat_template=template,
         chat_template_kwargs=body.get("chat_template_kwargs"),
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
         continue_final_message=_bool(body, "continue_final_message", False),
         tools=body.get("tools"),
         documents=body.get("documents"),
+        kv_transfer=_kv_transfer(body, sampling),
     )
 
 
@@ -208,11 +285,22 @@ def _envelope(request_id: str, obj: str, model: str, created: int | None) -> dic
     return {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model}
 
 
+def _with_kv_transfer(body: dict[str, Any], kv_transfer: Mapping[str, Any] | None) -> dict[str, Any]:
+    if kv_transfer is not None:
+        body["kv_transfer_params"] = dict(kv_transfer)
+    return body
+
+
 def completion_response(
-    request_id: str, model: str, choices: Sequence[tuple[int, str, str]], usage: Usage
+    request_id: str,
+    model: str,
+    choices: Sequence[tuple[int, str, str]],
+    usage: Usage,
+    kv_transfer: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``choices``: (index, text, finish_reason)."""
-    return {
+    """``choices``: (index, text, finish_reason); ``kv_transfer``: a prefill's params for its
+    decode, the answer's top-level ``kv_transfer_params`` (absent otherwise)."""
+    body = {
         **_envelope(request_id, "text_completion", model, None),
         "choices": [
             {"index": i, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
@@ -220,13 +308,18 @@ def completion_response(
         ],
         "usage": usage.as_dict(),
     }
+    return _with_kv_transfer(body, kv_transfer)
 
 
 def chat_response(
-    request_id: str, model: str, choices: Sequence[tuple[int, str, str]], usage: Usage
+    request_id: str,
+    model: str,
+    choices: Sequence[tuple[int, str, str]],
+    usage: Usage,
+    kv_transfer: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``choices``: (index, content, finish_reason)."""
-    return {
+    """``choices``: (index, content, finish_reason); ``kv_transfer`` as for completions."""
+    body = {
         **_envelope(request_id, "chat.completion", model, None),
         "choices": [
             {
@@ -240,6 +333,7 @@ def chat_response(
         ],
         "usage": usage.as_dict(),
     }
+    return _with_kv_transfer(body, kv_transfer)
 
 
 def completion_chunk(

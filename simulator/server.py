@@ -32,6 +32,20 @@ asks for vLLM's: ``/health``, ``/v1/models``, ``/metrics``):
 Completions and chat completions answer with ``X-Simulated-Pod: <pod id>``, so a client behind a
 router can tell which pod served it.
 
+Both take vLLM's ``kv_transfer_params`` (prefill/decode disaggregation, NixlConnector's keys,
+``simulator.protocol.KVTransferParams``; any pod serves both sides):
+
+* ``{"do_remote_decode": true}``: a prefill for another pod. Not streamed (400 "Prefill does not
+  support streaming"); one token per choice, ``finish_reason: "remote_decode"``, and a top-level
+  ``kv_transfer_params`` for the decode request: ``do_remote_prefill: true``, ``remote_engine_id``
+  (the pod, ``<pod>#dp<r>`` for rank r > 0), ``remote_request_id``, ``remote_block_ids`` (``[[the
+  block ids of the prompt in that engine]]``), ``remote_host`` and ``remote_port`` (where the
+  request reached the pod), ``tp_size`` 1 and ``remote_prefill_cached_tokens``.
+* ``{"do_remote_prefill": true, ...}``: the decode of that prefill. The prompt tokens beyond the
+  local prefix hit are "transferred" (the first token after ``kv_cache_transfer_latency_ms`` +
+  tokens * ``kv_cache_transfer_time_per_token_ms``, then stored and published), then decoding
+  goes on as usual, streamed or not.
+
 Streams are ``data: <json>\\n\\n`` events: for chat, a role chunk ``{"role": "assistant"}`` before
 each choice's first token, then one chunk per token, then a chunk with ``finish_reason``, then a
 usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``. Every error is an OpenAI
@@ -107,6 +121,10 @@ def create_app(pod: Pod) -> Starlette:
     def answer_headers(submission: Submission) -> dict[str, str]:
         return {"X-Request-Id": submission.request_id, POD_HEADER: pod.config.pod_id}
 
+    def kv_transfer_answer(request: Request, submission: Submission) -> dict[str, Any] | None:
+        host, port = request.scope.get("server") or (None, None)
+        return pod.kv_transfer_answer(submission, host=host, port=port)
+
     async def collect(submission: Submission) -> list[tuple[int, str, str]]:
         pieces: list[list[str]] = [[] for _ in submission.choices]
         async with contextlib.aclosing(pod.run(submission)) as tokens:
@@ -167,6 +185,7 @@ def create_app(pod: Pod) -> Starlette:
             sampling=params.sampling,
             adapter=adapter,
             param="prompt",
+            kv_transfer=params.kv_transfer,
         )
         if params.sampling.stream:
             sampling = params.sampling
@@ -177,7 +196,13 @@ def create_app(pod: Pod) -> Starlette:
                 token_ids=sampling.return_token_ids,
             )
         choices = await collect(submission)
-        body = completion_response(submission.request_id, params.model, choices, submission.usage())
+        body = completion_response(
+            submission.request_id,
+            params.model,
+            choices,
+            submission.usage(),
+            kv_transfer_answer(request, submission),
+        )
         return JSONResponse(body, headers=answer_headers(submission))
 
     @_openai_errors
@@ -193,11 +218,18 @@ def create_app(pod: Pod) -> Starlette:
             sampling=params.sampling,
             adapter=adapter,
             param="messages",
+            kv_transfer=params.kv_transfer,
         )
         if params.sampling.stream:
             return stream_response(submission, chat=True, include_usage=params.sampling.include_usage)
         choices = await collect(submission)
-        body = chat_response(submission.request_id, params.model, choices, submission.usage())
+        body = chat_response(
+            submission.request_id,
+            params.model,
+            choices,
+            submission.usage(),
+            kv_transfer_answer(request, submission),
+        )
         return JSONResponse(body, headers=answer_headers(submission))
 
     async def models(request: Request) -> Response:

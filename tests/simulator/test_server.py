@@ -367,6 +367,57 @@ def test_bad_requests_name_the_field(served: Served, body: dict, param: str) -> 
     assert assert_openai_error(r.json())["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("kv_transfer_params", "param"),
+    [
+        ("prefill", "kv_transfer_params"),
+        ([True], "kv_transfer_params"),
+        ({"do_remote_decode": "true"}, "kv_transfer_params.do_remote_decode"),
+        ({"do_remote_prefill": 1}, "kv_transfer_params.do_remote_prefill"),
+        ({"remote_engine_id": 7}, "kv_transfer_params.remote_engine_id"),
+        ({"remote_request_id": ["r"]}, "kv_transfer_params.remote_request_id"),
+        ({"remote_host": 10}, "kv_transfer_params.remote_host"),
+        ({"remote_port": "8100"}, "kv_transfer_params.remote_port"),
+        ({"remote_port": True}, "kv_transfer_params.remote_port"),
+        ({"remote_block_ids": "1,2,3"}, "kv_transfer_params.remote_block_ids"),
+        ({"tp_size": 1.5}, "kv_transfer_params.tp_size"),
+        ({"remote_prefill_cached_tokens": -16}, "kv_transfer_params.remote_prefill_cached_tokens"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_kv_transfer_params_of_the_wrong_type_are_400_naming_the_field(
+    served: Served, path: str, kv_transfer_params: object, param: str
+) -> None:
+    request = chat("hi") if "chat" in path else {"model": MODEL, "prompt": "hi"}
+    r = served.client.post(path, json={**request, "kv_transfer_params": kv_transfer_params})
+    assert r.status_code == 400
+    assert assert_openai_error(r.json())["param"] == param
+    assert served.pod.engines[0].num_running == 0
+
+
+def test_kv_transfer_params_may_be_null_and_unknown_keys_are_ignored(served: Served) -> None:
+    request = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert (
+        served.client.post("/v1/completions", json={**request, "kv_transfer_params": None}).status_code == 200
+    )
+    # What vLLM 0.32's prefill answers beyond the keys the simulator reads, and its nulls.
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[3, 4, 5]],
+        "remote_engine_id": None,
+        "remote_host": None,
+        "remote_port": None,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 40,
+        "transfer_mode": "pull",
+    }
+    r = served.client.post("/v1/completions", json={**request, "kv_transfer_params": params})
+    assert r.status_code == 200
+    assert "kv_transfer_params" not in r.json()
+
+
 def test_a_chat_template_error_is_400(served: Served) -> None:
     r = served.client.post("/v1/chat/completions", json={**chat("hi"), "chat_template": "{% for %}"})
     assert r.status_code == 400
@@ -447,6 +498,26 @@ def test_metrics_have_vllm_names_per_pod(served: Served) -> None:
     hits = next(line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
     assert float(hits.split()[-1]) > 0
     assert isinstance(served.events()[0], BlockStored)
+
+
+def test_metrics_of_prefill_decode_disaggregation_have_vllms_names(served: Served) -> None:
+    labels = f'engine="0",model_name="{MODEL}"'
+    text = served.client.get("/metrics").text
+    # Exposed before any transfer, as vLLM exposes them: a router need not wait for one.
+    for name in (
+        "vllm:external_prefix_cache_queries_total",
+        "vllm:external_prefix_cache_hits_total",
+        "vllm:nixl_num_failed_transfers_total",
+        "vllm:nixl_xfer_time_seconds_count",
+    ):
+        assert f"{name}{{{labels}}} 0.0" in text, name
+    for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+        assert f'vllm:prompt_tokens_by_source_total{{{labels},source="{source}"}} 0.0' in text, source
+    request = {"model": MODEL, "prompt": SYSTEM, "kv_transfer_params": {"do_remote_decode": True}}
+    assert served.client.post("/v1/completions", json=request).status_code == 200
+    text = served.client.get("/metrics").text
+    success = f'vllm:request_success_total{{engine="0",finished_reason="remote_decode",model_name="{MODEL}"}}'
+    assert f"{success} 1.0" in text
 
 
 # --- SGLang's operational endpoints, for the peer routers ----------------------------------------
