@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
 from kvindex.keys import DEFAULT_SEED
+from registry.config import POD_ROLES
 
 __all__ = [
     "FAILURE_TYPES",
@@ -165,7 +166,13 @@ class LoraAdapter:
 @dataclass(frozen=True, slots=True)
 class PodConfig:
     """Everything one simulated pod needs. ``seed`` drives generated text, failure injection and
-    jitter: the same seed gives the same behaviour for the same requests."""
+    jitter: the same seed gives the same behaviour for the same requests.
+
+    ``role`` (one of :data:`POD_ROLES`) says what the pod is for under prefill/decode
+    disaggregation, as the registry's ``Pod.role``: it is announced (``/server_info``'s
+    ``disaggregation_mode``, registration) but restricts nothing: every pod serves whole requests,
+    prefills for another pod and decodes another pod's prefill, as a vLLM with NixlConnector's
+    ``kv_role`` ``kv_both``."""
 
     pod_id: str
     model: str
@@ -176,6 +183,7 @@ class PodConfig:
     seed: int = 0
     data_parallel_size: int = 1
     lora_adapters: tuple[LoraAdapter, ...] = ()
+    role: str = "both"
 
     def __post_init__(self) -> None:
         _check(
@@ -188,6 +196,7 @@ class PodConfig:
             isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
             "data_parallel_size must be an integer >= 1",
         )
+        _check(self.role in POD_ROLES, f"role must be one of {list(POD_ROLES)}, not {self.role!r}")
 
 
 _Config = TypeVar("_Config", LatencyConfig, FailureConfig)

@@ -12,6 +12,9 @@ Addresses, for pod ``i`` (0-based) and rank ``r`` of ``dp`` ranks:
 
 The listening sockets are bound before the pods are built, so a ``hostport`` pod id names the port
 really used and a port conflict fails the start instead of a pod later.
+
+Every pod has the template's ``role``, except in a P/D fleet (``prefill_pods`` N > 0): pods 0 to
+N - 1 are ``prefill`` pods, the others ``decode`` pods.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class PublishConfig:
 
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
-    """``pods`` copies of ``pod`` (its ``pod_id`` is replaced per pod)."""
+    """``pods`` copies of ``pod`` (its ``pod_id`` is replaced per pod, and its ``role`` in a P/D
+    fleet: the first ``prefill_pods`` pods prefill, the others decode)."""
 
     pod: PodConfig
     pods: int = 1
@@ -83,14 +87,27 @@ class FleetConfig:
     base_port: int = 8000
     pod_id_style: PodIdStyle = "sim"
     publish: PublishConfig = field(default_factory=PublishConfig)
+    prefill_pods: int = 0
 
     def __post_init__(self) -> None:
         if self.pods < 1:
             raise ValueError("pods must be >= 1")
+        if not 0 <= self.prefill_pods <= self.pods:
+            raise ValueError(f"prefill_pods must be 0 to pods ({self.pods}), not {self.prefill_pods}")
+        if self.prefill_pods and self.pod.role != "both":
+            raise ValueError(
+                f"prefill_pods gives each pod its role: the template's must be 'both', not {self.pod.role!r}"
+            )
         if not 0 <= self.base_port <= 65535 - (self.pods - 1):
             raise ValueError("base_port + pods - 1 must be a TCP port")
         if self.pod_id_style not in ("sim", "hostport"):
             raise ValueError("pod_id_style must be 'sim' or 'hostport'")
+
+    def role_of(self, index: int) -> str:
+        """The role of pod ``index``."""
+        if not self.prefill_pods:
+            return self.pod.role
+        return "prefill" if index < self.prefill_pods else "decode"
 
 
 def pod_id_for(style: PodIdStyle, index: int, host: str, port: int) -> str:
@@ -222,7 +239,7 @@ class Fleet:
             self._publishers.append(publisher)
             self._replay_tasks.append(asyncio.create_task(publisher.serve_replay()))
         pod = Pod(
-            dataclasses.replace(c.pod, pod_id=pod_id),
+            dataclasses.replace(c.pod, pod_id=pod_id, role=c.role_of(index)),
             tokenizer=tokenizer,
             on_events=[p.publish for p in publishers] if publishers else None,
         )

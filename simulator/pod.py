@@ -6,11 +6,11 @@ tokenizer and chat template, so router and pod agree on every block key) -> cont
 (400 with vLLM's message) -> outputs decided (echo or random) -> one engine request per prompt and
 choice, all on the least loaded rank so that choices share their prompt's blocks.
 
-Prefill/decode disaggregation (``kv_transfer_params``, vLLM NixlConnector's): any pod prefills for
-another pod (``do_remote_decode``: one token, finish reason ``remote_decode``, and
-:meth:`Pod.kv_transfer_answer` for the decode request) and decodes what another pod prefilled
-(``do_remote_prefill``: the prompt's KV beyond the local prefix hit is loaded, see
-``simulator.engine``).
+Prefill/decode disaggregation (``kv_transfer_params``, vLLM NixlConnector's): any pod, whatever
+its ``role``, prefills for another pod (``do_remote_decode``: one token, finish reason
+``remote_decode``, and :meth:`Pod.kv_transfer_answer` for the decode request) and decodes what
+another pod prefilled (``do_remote_prefill``: the prompt's KV beyond the local prefix hit is
+loaded, see ``simulator.engine``).
 """
 
 from __future__ import annotations
@@ -257,6 +257,7 @@ class Pod:
             "output_mode": c.output_mode,
             "seed": c.seed,
             "data_parallel_size": c.data_parallel_size,
+            "role": c.role,
             "engine": as_dict(c.engine),
             "latency": as_dict(self.latency),
             "failures": as_dict(self.failures),

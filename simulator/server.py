@@ -12,7 +12,8 @@ Endpoints (vLLM's OpenAI server and its operational endpoints):
 ``GET /metrics``                           Prometheus text, ``vllm:`` names (``simulator.metrics``)
 ``POST /v1/load_lora_adapter``             ``{"lora_name", "lora_path"}``
 ``POST /v1/unload_lora_adapter``           ``{"lora_name"}``
-``GET|POST /admin/config``                 the configuration; POST changes latency and failures
+``GET|POST /admin/config``                 the configuration (and the pod's ``role``); POST changes
+                                           latency and failures
 ``POST /reset_prefix_cache``               AllBlocksCleared; 409 while requests hold blocks
 ``POST /sleep``, ``POST /wake_up``         sleep drops the prefix cache; ``GET /is_sleeping``
 =========================================  ===========================================================
@@ -21,7 +22,9 @@ And SGLang's operational endpoints, which vllm-router and sglang-router ask thei
 asks for vLLM's: ``/health``, ``/v1/models``, ``/metrics``):
 
 =========================================  ===========================================================
-``GET /[get_]server_info``                 model, tokenizer, ``dp_size``, cache and batch sizes
+``GET /[get_]server_info``                 model, tokenizer, ``dp_size``, cache and batch sizes,
+                                           ``disaggregation_mode`` (the role: ``"prefill"``,
+                                           ``"decode"``, ``"null"`` for both)
 ``GET /[get_]model_info``                  model and tokenizer path, ``is_generation``
 ``GET /get_load``                          per rank ``{"dp_rank", "num_reqs", "num_waiting_reqs",
                                            "num_tokens"}``
@@ -33,7 +36,8 @@ Completions and chat completions answer with ``X-Simulated-Pod: <pod id>``, so a
 router can tell which pod served it.
 
 Both take vLLM's ``kv_transfer_params`` (prefill/decode disaggregation, NixlConnector's keys,
-``simulator.protocol.KVTransferParams``; any pod serves both sides):
+``simulator.protocol.KVTransferParams``; any pod serves both sides, its ``role`` only announced in
+``/server_info``'s ``disaggregation_mode``):
 
 * ``{"do_remote_decode": true}``: a prefill for another pod. Not streamed (400 "Prefill does not
   support streaming"); one token per choice, ``finish_reason: "remote_decode"``, and a top-level
@@ -366,7 +370,8 @@ def create_app(pod: Pod) -> Starlette:
                 "max_total_num_tokens": engine.kv_cache_size * engine.block_size,
                 "max_running_requests": engine.max_num_seqs,
                 "context_length": engine.max_model_len,
-                "disaggregation_mode": "null",
+                # SGLang's names the role; "null" is its answer for a pod that serves both.
+                "disaggregation_mode": pod.config.role if pod.config.role != "both" else "null",
             }
         )
 

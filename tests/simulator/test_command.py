@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +47,8 @@ def test_every_option_reaches_the_fleet_config() -> None:
         "--output-mode", "random", "--seed", "5", "--prefill-overhead-ms", "3", "--prefill-time-per-token-ms",
         "0.05", "--inter-token-latency-ms", "7", "--load-factor", "2.5", "--jitter", "0.1",
         "--failure-rate", "12.5", "--failure-types", "rate_limit,server_error",
-        "--lora", "Alice=/a", "--lora", "Bob",
+        "--lora", "Alice=/a", "--lora", "Bob", "--role", "decode",
+        "--kv-cache-transfer-latency-ms", "2.5", "--kv-cache-transfer-time-per-token-ms", "0.01",
     ]  # fmt: skip
     config = fleet_config(options(*argv), registry=ServiceConfig(seed="7"))
     pod = config.pod
@@ -59,6 +63,32 @@ def test_every_option_reaches_the_fleet_config() -> None:
     assert (pod.latency.inter_token_latency_ms, pod.latency.load_factor, pod.latency.jitter) == (7, 2.5, 0.1)
     assert (pod.failures.rate, pod.failures.types) == (12.5, ("rate_limit", "server_error"))
     assert [(a.name, a.path, a.lora_id) for a in pod.lora_adapters] == [("Alice", "/a", 1), ("Bob", "Bob", 2)]
+    assert (pod.latency.kv_cache_transfer_latency_ms, pod.latency.kv_cache_transfer_time_per_token_ms) == (
+        2.5,
+        0.01,
+    )
+    assert pod.role == "decode"
+    assert [config.role_of(i) for i in range(3)] == ["decode"] * 3
+
+
+def test_prefill_pods_make_a_pd_fleet_of_the_first_pods_and_the_rest() -> None:
+    config = fleet_config(options("--pods", "3", "--prefill-pods", "1"), registry=ServiceConfig())
+    assert [config.role_of(i) for i in range(3)] == ["prefill", "decode", "decode"]
+    assert [fleet_config(options(), registry=ServiceConfig()).role_of(0)] == ["both"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pods", "2", "--prefill-pods", "3"], "--prefill-pods 3 is more than --pods (2)"),
+        (["--pods", "2", "--prefill-pods", "1", "--role", "prefill"], "drop --role"),
+        (["--prefill-pods", "-1"], "prefill_pods must be 0 to pods"),
+        (["--kv-cache-transfer-latency-ms", "-1"], "kv_cache_transfer_latency_ms must be a number >= 0"),
+    ],
+)
+def test_pd_options_that_do_not_fit_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
+        fleet_config(options(*argv), registry=ServiceConfig())
 
 
 def test_events_can_be_disabled() -> None:
@@ -127,3 +157,52 @@ def test_the_command_runs_a_fleet_until_sigterm(tmp_path: Path, collector: Colle
     assert proc.returncode == 0, output
     assert f"sim-0  http://127.0.0.1:{base}" in output
     assert "hash seed '42'" in output
+
+
+def test_a_pd_fleet_announces_and_registers_its_roles(tmp_path: Path) -> None:
+    base = consecutive_free_ports(3)
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "KVCACHE_VAR_DIR": str(tmp_path),
+        "DJANGO_SETTINGS_MODULE": "kvsite.settings",
+    }
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable, "manage.py", "simulate", "--pods", "3", "--prefill-pods", "1",
+            "--base-port", str(base), "--events-endpoint", "none", "--register",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+
+    def registered() -> dict[str, str]:
+        assert proc.poll() is None, proc.stdout.read()
+        with contextlib.closing(sqlite3.connect(tmp_path / "db.sqlite3")) as db:
+            return dict(db.execute("SELECT pod_id, role FROM scoring_pod"))
+
+    try:
+        wait_until(lambda: len(registered()) == 3, timeout=30, what="the pods registered")
+        assert registered() == {"sim-0": "prefill", "sim-1": "decode", "sim-2": "decode"}
+        modes = [
+            httpx.get(f"http://127.0.0.1:{base + i}/server_info").json()["disaggregation_mode"]
+            for i in range(3)
+        ]
+        assert modes == ["prefill", "decode", "decode"]
+        assert httpx.get(f"http://127.0.0.1:{base}/admin/config").json()["role"] == "prefill"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, output
+    assert f"sim-0  http://127.0.0.1:{base}  prefill" in output
+    assert "registered: addresses, roles, replay endpoints are in the pod registry" in output

@@ -9,10 +9,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 import httpx
+import pytest
 import zmq
 
 from ingest.events import BlockStored, decode_batch
-from simulator.config import LatencyConfig, PodConfig
+from simulator.config import ConfigError, LatencyConfig, PodConfig
 from simulator.fleet import Fleet, FleetConfig, PublishConfig
 from simulator.pod import PodTokenizer
 from tests.simulator.conftest import MODEL, Collector, pod_config, wait_until
@@ -275,3 +276,20 @@ def test_a_kept_alive_connection_answers_without_waiting_for_a_delayed_ack(qwen:
 
     took = sorted(run_with(fleet, body)[1:])  # the first also opens the connection
     assert took[len(took) // 2] < 0.02, took
+
+
+def test_a_pd_fleet_gives_its_first_pods_the_prefill_role_and_the_others_decode() -> None:
+    pod = pod_config()
+    assert [FleetConfig(pod=pod, pods=3, prefill_pods=2).role_of(i) for i in range(3)] == [
+        "prefill",
+        "prefill",
+        "decode",
+    ]
+    decode = dataclasses.replace(pod, role="decode")
+    assert [FleetConfig(pod=decode, pods=2).role_of(i) for i in range(2)] == ["decode", "decode"]
+    with pytest.raises(ValueError, match="prefill_pods must be 0 to pods"):
+        FleetConfig(pod=pod, pods=2, prefill_pods=3)
+    with pytest.raises(ValueError, match="the template's must be 'both'"):
+        FleetConfig(pod=decode, pods=2, prefill_pods=1)
+    with pytest.raises(ConfigError, match="role must be one of"):
+        dataclasses.replace(pod, role="encode")

@@ -38,12 +38,13 @@ class Served:
 
 @contextlib.contextmanager
 def serve(qwen: PodTokenizer, **config: object) -> Iterator[Served]:
-    """A pod with ``config`` (engine fields, ``failures``, ``output_mode``) behind a TestClient."""
+    """A pod with ``config`` (engine fields, ``failures``, ``output_mode``, ``role``) behind a
+    TestClient."""
     batches: list = []
-    engine = {k: v for k, v in config.items() if k not in ("failures", "output_mode")}
+    pod_fields = ("failures", "output_mode", "role")
+    engine = {k: v for k, v in config.items() if k not in pod_fields}
     pod_cfg = dataclasses.replace(
-        pod_config(**engine),
-        **{k: v for k, v in config.items() if k in ("failures", "output_mode")},
+        pod_config(**engine), **{k: v for k, v in config.items() if k in pod_fields}
     )
     pod = Pod(pod_cfg, tokenizer=qwen, on_events=[batches.append])
     with TestClient(create_app(pod)) as client:
@@ -455,6 +456,18 @@ def test_admin_config_changes_latency_and_failures_live(served: Served) -> None:
     assert served.pod.failures.rate == 5
 
 
+def test_admin_config_changes_the_kv_transfer_latency_live(served: Served) -> None:
+    latency = served.client.get("/admin/config").json()["latency"]
+    assert (latency["kv_cache_transfer_latency_ms"], latency["kv_cache_transfer_time_per_token_ms"]) == (
+        1.0,
+        0.02,
+    )
+    change = {"latency": {"kv_cache_transfer_latency_ms": 25, "kv_cache_transfer_time_per_token_ms": 0.1}}
+    assert served.client.post("/admin/config", json=change).status_code == 200
+    assert served.pod.engines[0].latency.kv_cache_transfer_latency_ms == 25
+    assert served.pod.engines[0].latency.kv_cache_transfer_time_per_token_ms == 0.1
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -462,6 +475,8 @@ def test_admin_config_changes_latency_and_failures_live(served: Served) -> None:
         {"latency": {"nope": 1}},
         {"engine": {"block_size": 32}},
         {"failures": {"types": ["x"]}},
+        {"latency": {"kv_cache_transfer_time_per_token_ms": -0.02}},
+        {"role": "decode"},
     ],
 )
 def test_admin_config_refuses_invalid_changes_and_keeps_the_old_ones(served: Served, change: dict) -> None:
@@ -543,6 +558,20 @@ def test_model_and_server_info_point_at_the_pods_tokenizer(served: Served, qwen:
     assert server["model_path"] == info["model_path"]
     assert (server["dp_size"], server["tp_size"], server["page_size"]) == (1, 1, 16)
     assert server["max_total_num_tokens"] == 1024 * 16
+
+
+@pytest.mark.parametrize(("role", "mode"), [("both", "null"), ("prefill", "prefill"), ("decode", "decode")])
+def test_server_info_and_the_config_announce_the_pods_role(qwen: PodTokenizer, role: str, mode: str) -> None:
+    with serve(qwen, role=role) as s:
+        assert s.client.get("/server_info").json()["disaggregation_mode"] == mode  # SGLang's names
+        assert s.client.get("/admin/config").json()["role"] == role
+        # The role restricts nothing: every pod serves whole requests and both sides of a transfer.
+        request = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 2}
+        for params in (None, {"do_remote_decode": True}, {"do_remote_prefill": True}):
+            assert (
+                s.client.post("/v1/completions", json={**request, "kv_transfer_params": params}).status_code
+                == 200
+            )
 
 
 def test_get_load_counts_each_ranks_requests_and_tokens(qwen: PodTokenizer) -> None:

@@ -5,6 +5,10 @@ by default, so that pods and manager agree on every block key: the hash seed (``
 ``KVCACHE_HASH_SEED``), the model's block size and chat template (``ModelConfig``), and the
 tokenizer (the manager's ``TokenizerRegistry``). SIGINT/SIGTERM stop the servers (in-flight
 requests get 2 s) and exit 0.
+
+Prefill/decode disaggregation: ``--role`` gives every pod of the run a role, ``--prefill-pods N``
+makes a P/D fleet in one process (the first N pods prefill, the others decode); ``--register``
+registers the roles with the pods.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
 from ingest.curve import CurveError, EventCurve, load_key_pair, load_public_key
-from registry.config import ServiceConfig
+from registry.config import POD_ROLES, ServiceConfig
 from registry.services import register_pods
 from simulator.config import (
     FAILURE_TYPES,
@@ -77,6 +81,11 @@ def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetCo
             raise ConfigError(f"--lora {spec!r} must be NAME or NAME=PATH")
         loras.append(LoraAdapter(name=name, path=path if eq else name, lora_id=i))
     types = tuple(t.strip() for t in options["failure_types"].split(",") if t.strip())
+    prefill_pods = options["prefill_pods"]
+    if prefill_pods and options["role"] != "both":
+        raise ConfigError("--prefill-pods gives the pods their roles (prefill, then decode): drop --role")
+    if prefill_pods > options["pods"]:
+        raise ConfigError(f"--prefill-pods {prefill_pods} is more than --pods ({options['pods']})")
     endpoint = options["events_endpoint"]
     model = registry.model(options["model"])
     hash_seed = options["hash_seed"] if options["hash_seed"] is not None else registry.seed
@@ -98,12 +107,15 @@ def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetCo
             inter_token_latency_ms=options["inter_token_latency_ms"],
             load_factor=options["load_factor"],
             jitter=options["jitter"],
+            kv_cache_transfer_latency_ms=options["kv_cache_transfer_latency_ms"],
+            kv_cache_transfer_time_per_token_ms=options["kv_cache_transfer_time_per_token_ms"],
         ),
         failures=FailureConfig(rate=options["failure_rate"], types=types),
         output_mode=options["output_mode"],
         seed=options["seed"],
         data_parallel_size=options["data_parallel_size"],
         lora_adapters=tuple(loras),
+        role=options["role"],
     )
     return FleetConfig(
         pod=pod,
@@ -111,6 +123,7 @@ def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetCo
         host=options["host"],
         base_port=options["base_port"],
         pod_id_style=options["pod_id_style"],
+        prefill_pods=prefill_pods,
         publish=PublishConfig(
             endpoint=None if endpoint.lower() in _NO_ENDPOINT else endpoint,
             layout=options["event_layout"],
@@ -170,6 +183,11 @@ def announced_event_endpoints(fleet: Fleet) -> dict[str, str]:
     return found
 
 
+def announced_roles(fleet: Fleet) -> dict[str, str]:
+    """pod -> its role, for the registry."""
+    return {pod.pod_id: pod.pod.config.role for pod in fleet.pods}
+
+
 class Command(BaseCommand):
     help = "Run N simulated vLLM pods (OpenAI HTTP + KV events over ZeroMQ) in one process."
 
@@ -190,6 +208,20 @@ class Command(BaseCommand):
         )
         fleet.add_argument(
             "--lora", action="append", metavar="NAME[=PATH]", help="A LoRA adapter loaded at start."
+        )
+        fleet.add_argument(
+            "--role",
+            choices=POD_ROLES,
+            default="both",
+            help="What every pod is for under prefill/decode disaggregation (default both); announced "
+            "(/server_info, --register), any pod serves both sides of a transfer.",
+        )
+        fleet.add_argument(
+            "--prefill-pods",
+            type=int,
+            default=0,
+            metavar="N",
+            help="A P/D fleet: the first N pods are prefill pods, the others decode pods.",
         )
 
         events = parser.add_argument_group("KV events")
@@ -232,9 +264,9 @@ class Command(BaseCommand):
         events.add_argument(
             "--register",
             action="store_true",
-            help="Write each pod's address, replay endpoint and, when its PUB binds, its event endpoint "
-            "into the pod registry once serving (what a deployment would tell the registry about real "
-            "engines).",
+            help="Write each pod's address, role, replay endpoint and, when its PUB binds, its event "
+            "endpoint into the pod registry once serving (what a deployment would tell the registry "
+            "about real engines).",
         )
 
         engine = parser.add_argument_group("engine")
@@ -281,6 +313,18 @@ class Command(BaseCommand):
         latency.add_argument(
             "--jitter", type=float, default=d_latency.jitter, help="Relative std-dev, 0 to 0.3."
         )
+        latency.add_argument(
+            "--kv-cache-transfer-latency-ms",
+            type=float,
+            default=d_latency.kv_cache_transfer_latency_ms,
+            help="Fixed part of loading a prompt's KV cache from its prefill pod (do_remote_prefill).",
+        )
+        latency.add_argument(
+            "--kv-cache-transfer-time-per-token-ms",
+            type=float,
+            default=d_latency.kv_cache_transfer_time_per_token_ms,
+            help="Per prompt token loaded (those not hit in the pod's own cache).",
+        )
 
         failures = parser.add_argument_group("failure injection")
         failures.add_argument(
@@ -325,15 +369,18 @@ class Command(BaseCommand):
                 ends = ", ".join(
                     f"rank {r}: {e or '-'} replay {p or '-'}" for r, (e, p) in enumerate(fleet.endpoints(i))
                 )
-                self.stdout.write(f"  {pod.pod_id}  {pod.url}  events {ends}")
+                role = "" if pod.pod.config.role == "both" else f"  {pod.pod.config.role}"
+                self.stdout.write(f"  {pod.pod_id}  {pod.url}{role}  events {ends}")
             if c.publish.curve is not None:
                 self.stdout.write(
                     f"  events over CURVE, the pods' public key {c.publish.curve.keys.public.decode()}"
                 )
             if self.register:
                 events = announced_event_endpoints(fleet)
-                await sync_to_async(register_pods)(announced(fleet), event_endpoints=events)
-                what = "addresses, replay endpoints" + (" and event endpoints" if events else "")
+                await sync_to_async(register_pods)(
+                    announced(fleet), event_endpoints=events, roles=announced_roles(fleet)
+                )
+                what = "addresses, roles, replay endpoints" + (" and event endpoints" if events else "")
                 self.stdout.write(f"  registered: {what} are in the pod registry")
             self.stdout.flush()
             await stop.wait()
