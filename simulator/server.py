@@ -48,7 +48,8 @@ Both take vLLM's ``kv_transfer_params`` (prefill/decode disaggregation, NixlConn
 * ``{"do_remote_prefill": true, ...}``: the decode of that prefill. The prompt tokens beyond the
   local prefix hit are "transferred" (the first token after ``kv_cache_transfer_latency_ms`` +
   tokens * ``kv_cache_transfer_time_per_token_ms``, then stored and published), then decoding
-  goes on as usual, streamed or not.
+  goes on as usual, streamed or not. Its ``cached_tokens`` are vLLM 0.32's: the request's
+  ``remote_prefill_cached_tokens`` if it has them, else the whole prompt (none computed here).
 
 Streams are ``data: <json>\\n\\n`` events: for chat, a role chunk ``{"role": "assistant"}`` before
 each choice's first token, then one chunk per token, then a chunk with ``finish_reason``, then a
