@@ -18,6 +18,9 @@ SIM_BASE_PORT ?= 8100
 # Pod i serves replays of its KV events on SIM_REPLAY_PORT + i.
 SIM_REPLAY_PORT ?= 9100
 SIM_MODEL ?= Qwen/Qwen3-0.6B
+# SIM_PREFILL_PODS=N: prefill/decode disaggregation (README "Prefill/decode disaggregation"): the
+# first N simulated pods prefill, the others decode, and the gateway serves requests in two steps.
+SIM_PREFILL_PODS ?= 0
 LOAD_QPS ?= 1
 # FLEET=vllm: real vLLM engines instead of the simulator (README "Real vLLM engines"): VLLM_PODS
 # engines of VLLM_MODEL on ports VLLM_BASE_PORT+, replaying on VLLM_REPLAY_PORT+.
@@ -51,6 +54,7 @@ help:
 	@echo "              FRONT=envoy: a real Envoy on ENVOY_PORT (8300) routed by the Endpoint Picker"
 	@echo "              GATEWAY_INDEX=in-process: the gateway (and picker) keep their own index, fed by"
 	@echo "              the pods' KV events (which bind SIM_EVENTS_PORT + i)"
+	@echo "              SIM_PREFILL_PODS=N: the first N simulated pods prefill, the rest decode (P/D)"
 	@echo "make test   - install everything and run the test suite"
 	@echo "make lint   - ruff check and format check, and the import contracts of the layers"
 	@echo "make bench  - the benchmarks in bench/ (results in var/bench/)"
@@ -148,6 +152,8 @@ run: install $(if $(filter vllm,$(FLEET)),vllm-engines) $(if $(filter envoy,$(FR
 	case "$(FRONT)" in gateway|envoy) ;; *) echo "FRONT must be gateway or envoy, not '$(FRONT)'"; exit 2;; esac; \
 	case "$(GATEWAY_INDEX)" in shared|in-process) ;; *) echo "GATEWAY_INDEX must be shared or in-process, not '$(GATEWAY_INDEX)'"; exit 2;; esac; \
 	if [ "$(GATEWAY_INDEX)" = in-process ] && [ "$(FLEET)" = vllm ]; then echo "GATEWAY_INDEX=in-process runs with the simulated fleet (FLEET=sim)"; exit 2; fi; \
+	if [ "$(SIM_PREFILL_PODS)" -gt 0 ] && [ "$(FRONT)" = envoy ]; then echo "SIM_PREFILL_PODS runs with the gateway in front (under Envoy each decode pod needs its sidecar: README \"Prefill/decode disaggregation\")"; exit 2; fi; \
+	if [ "$(SIM_PREFILL_PODS)" -gt 0 ] && [ "$(SIM_PREFILL_PODS)" -ge "$(SIM_PODS)" ]; then echo "SIM_PREFILL_PODS ($(SIM_PREFILL_PODS)) leaves no decode pod of SIM_PODS ($(SIM_PODS))"; exit 2; fi; \
 	procs="web ingest gateway"; \
 	if [ "$(FRONT)" = envoy ]; then procs="$$procs epp envoy"; fi; \
 	if [ -z "$$REDIS_URL" ]; then export REDIS_URL=redis://127.0.0.1:$(REDIS_PORT)/0; procs="redis $$procs"; fi; \
@@ -165,7 +171,7 @@ run: install $(if $(filter vllm,$(FLEET)),vllm-engines) $(if $(filter envoy,$(FR
 	  FRONT_LABEL=$$([ "$(FRONT)" = envoy ] && echo envoy || echo gateway) \
 	  KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER=$${KVCACHE_GATEWAY_MATCHED_BLOCKS_HEADER:-true} \
 	  SIM_PODS=$(SIM_PODS) SIM_BASE_PORT=$(SIM_BASE_PORT) SIM_REPLAY_PORT=$(SIM_REPLAY_PORT) \
-	  SIM_MODEL='$(SIM_MODEL)' LOAD_QPS=$(LOAD_QPS) \
+	  SIM_MODEL='$(SIM_MODEL)' SIM_PREFILL_PODS=$(SIM_PREFILL_PODS) LOAD_QPS=$(LOAD_QPS) \
 	  VLLM_PODS=$(VLLM_PODS) VLLM_BASE_PORT=$(VLLM_BASE_PORT) VLLM_REPLAY_PORT=$(VLLM_REPLAY_PORT) \
 	  VLLM_MODEL='$(VLLM_MODEL)' VLLM_PODS_ARGS="$$(for i in $$(seq 0 $$(($(VLLM_PODS) - 1))); do \
 	    printf -- '--pod vllm-%d=http://127.0.0.1:%d ' $$i $$(($(VLLM_BASE_PORT) + i)); done)" \
@@ -183,7 +189,7 @@ run: install $(if $(filter vllm,$(FLEET)),vllm-engines) $(if $(filter envoy,$(FR
 	if [ "$(FLEET)" = vllm ]; then \
 	  echo "Fleet:     $(VLLM_PODS) vLLM engines of $(VLLM_MODEL) on ports $(VLLM_BASE_PORT)+ (up in about 40 s), load $(LOAD_QPS) req/s through the gateway"; \
 	elif [ "$(SIM_PODS)" -gt 0 ]; then \
-	  echo "Fleet:     $(SIM_PODS) simulated pods of $(SIM_MODEL) on ports $(SIM_BASE_PORT)+, load $(LOAD_QPS) req/s routed by KV score"; \
+	  echo "Fleet:     $(SIM_PODS) simulated pods of $(SIM_MODEL) on ports $(SIM_BASE_PORT)+, load $(LOAD_QPS) req/s routed by KV score$$([ "$(SIM_PREFILL_PODS)" -gt 0 ] && echo "; the first $(SIM_PREFILL_PODS) prefill, the rest decode")"; \
 	fi && \
 	exec $(PY) -m stack -f Procfile $$procs
 
