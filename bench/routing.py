@@ -44,6 +44,14 @@ simulated fleet, so that Dynamo subscribes too), on workloads scaled to them
 (:data:`VLLM_WORKLOADS`). Each engine has one core: TTFT there says more about 2 cores than
 about routing, so the engines' own prefix-cache hit rate is the figure to read first.
 
+``--fleet pd``: the same simulated pods, the first ``--prefill-pods`` (4 of 8) prefilling and the
+others decoding (``simulate --prefill-pods``: prefill/decode disaggregation, vLLM's
+NixlConnector protocol); our gateway's policies then serve every request in two steps (its
+runs are named ``<router>@pd``, beside the aggregated fleet's ``<router>`` at equal pod count:
+report both files together), and the peers' P/D modes (``<peer>:pd``, ``bench/peers.py``) are
+given the prefill and decode pods apart. ITL (the mean inter-token latency of each request) is
+reported beside TTFT: what disaggregation is for.
+
 ``--goodput``: instead of the fixed ladder, each router's *goodput* per workload: the highest
 QPS at which TTFT p90 <= 2 s with no failed request (every lower rate run passing too). The
 ladder (``--qps``) is climbed until a rate fails, then the gap is halved until it is at most
@@ -141,6 +149,8 @@ DEFAULT_ROUTERS = (
 DYNAMO = "dynamo:kv"
 ENVOY = "envoy:"
 """``envoy:<policy>``: Envoy + the Endpoint Picker with a gateway policy (``bench.envoy_front``)."""
+PD = "@pd"
+"""A run on the P/D fleet (``--fleet pd``): ``<router>@pd``."""
 IN_PROCESS = "@in-process"
 """``<policy>@in-process``: the gateway with a policy of its own index (``--index in-process``)."""
 TTFT_LIMIT_S = 2.0
@@ -400,7 +410,10 @@ def run(args: argparse.Namespace) -> dict:
             "block_size": 32,
         }
     else:
-        fleet = {"pods": args.pods, "kv_blocks": KV_BLOCKS, "block_size": BLOCK_SIZE, "simulate": list(FLEET)}
+        simulate = [*FLEET, "--prefill-pods", str(args.prefill_pods)] if args.fleet == "pd" else list(FLEET)
+        fleet = {"pods": args.pods, "kv_blocks": KV_BLOCKS, "block_size": BLOCK_SIZE, "simulate": simulate}
+        if args.fleet == "pd":
+            fleet["prefill_pods"] = args.prefill_pods
     document: dict = {
         "machine": machine(),
         "fleet": fleet,
@@ -425,7 +438,7 @@ def run(args: argparse.Namespace) -> dict:
             KVCACHE_HTTP_MAX_CONNECTIONS_PER_CLIENT="0",
         )
     else:
-        stack = Stack(pods=args.pods, simulate_args=FLEET, bind_events=True)
+        stack = Stack(pods=args.pods, simulate_args=tuple(fleet["simulate"]), bind_events=True)
     log_dir = stack.tmp / "logs"
     log_dir.mkdir(exist_ok=True)
     launcher = Routers(
@@ -629,10 +642,11 @@ def percent(rate: float | None) -> str:
 
 
 def row(s: dict) -> str:
-    ttft, e2e = s["ttft_s"], s["e2e_s"]
+    ttft, e2e, itl = s["ttft_s"], s["e2e_s"], _itl(s)
     return (
         f"ok {s['ok']:>4} fail {s['failed']:>3}  TTFT p50 {fmt(ttft['p50'], '.3f')} "
-        f"p90 {fmt(ttft['p90'], '.3f')} p99 {fmt(ttft['p99'], '.3f')}  E2E p90 {fmt(e2e['p90'], '.3f')}  "
+        f"p90 {fmt(ttft['p90'], '.3f')} p99 {fmt(ttft['p99'], '.3f')}  ITL p50 {fmt(itl['p50'], '.4f')} "
+        f"p90 {fmt(itl['p90'], '.4f')}  E2E p90 {fmt(e2e['p90'], '.3f')}  "
         f"tok/s {fmt(s['output_tokens_per_s'], '.0f')}  hit {percent(s['fleet_hit_rate'])}"
         f"  overhead {fmt(s.get('overhead_p50_ms'), '.2f')} ms"
     )
@@ -640,19 +654,25 @@ def row(s: dict) -> str:
 
 def markdown_table(runs: list[dict]) -> str:
     lines = [
-        "| workload | router | QPS | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | E2E p90 | out tok/s "
-        "| fleet hit rate | gateway own time p50 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | router | QPS | ok / failed | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 "
+        "| E2E p90 | out tok/s | fleet hit rate | gateway own time p50 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in runs:
-        ttft, hit = s["ttft_s"], s["fleet_hit_rate"]
+        ttft, hit, itl = s["ttft_s"], s["fleet_hit_rate"], _itl(s)
         lines.append(
             f"| {s['workload']} | {s['router']} | {s['qps']:g} | {s['ok']} / {s['failed']} "
             f"| {fmt(ttft['p50'], '.3f')} | {fmt(ttft['p90'], '.3f')} | {fmt(ttft['p99'], '.3f')} "
+            f"| {fmt(itl['p50'], '.4f')} | {fmt(itl['p90'], '.4f')} "
             f"| {fmt(s['e2e_s']['p90'], '.3f')} | {fmt(s['output_tokens_per_s'], '.1f')} "
             f"| {percent(hit)} | {fmt(s.get('overhead_p50_ms'), '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def _itl(run: dict) -> dict:
+    """A run's ITL percentiles (none in results written before they were measured)."""
+    return run.get("itl_s") or {"p50": None, "p90": None, "p99": None}
 
 
 def _p90(run: dict | None) -> float:
@@ -687,7 +707,9 @@ def check_targets(runs: list[dict]) -> list[str]:
         ladder = sorted({s["qps"] for s in runs if s["workload"] == workload})
         peers = sorted({s["router"] for s in runs if s["workload"] == workload and ":" in s["router"]})
         aware = [p for p in peers if p.endswith(":cache_aware")]
-        if workload in ("capacity", "replicas", "restart"):
+        if workload in ("capacity", "replicas", "restart") and any(
+            r[1] == "kv-load" for r in by if r[0] == workload
+        ):
             out.append(_ratio_targets(by, workload, ladder, aware))
         for q in ladder:
             ours = by.get((workload, "kv-load", q))
@@ -808,7 +830,10 @@ def merged(documents: list[dict]) -> list[dict]:
     replaces the earlier one (in its place)."""
     runs: dict[tuple, dict] = {}
     for document in documents:
+        pd = "prefill_pods" in document.get("fleet", {})  # a P/D fleet's runs: <router>@pd
         for summary in document["runs"]:
+            if pd and not summary["router"].endswith(PD):
+                summary = {**summary, "router": summary["router"] + PD}
             runs[(summary["workload"], summary["router"], summary["qps"])] = summary
     return list(runs.values())
 
@@ -831,7 +856,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--fleet", choices=("sim", "vllm"), default="sim", help="simulated pods, or 2 real vLLM engines"
+        "--fleet",
+        choices=("sim", "pd", "vllm"),
+        default="sim",
+        help="simulated pods; the same, --prefill-pods of them prefilling (P/D); or 2 real vLLM engines",
+    )
+    parser.add_argument(
+        "--prefill-pods",
+        type=int,
+        default=PODS // 2,
+        help=f"--fleet pd: pods that prefill (default {PODS // 2})",
     )
     parser.add_argument(
         "--workloads",
@@ -860,8 +894,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pods", type=int, default=PODS, help=f"simulated pods (default {PODS})")
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (--fleet vllm 16)")
     parser.add_argument("--concurrency", type=int, default=1024)
-    parser.add_argument("--out", type=Path, default=None, help="default var/bench/routing[-vllm].json")
-    parser.add_argument("--plot", type=Path, default=None, help="default docs/routing[-vllm].png")
+    parser.add_argument("--out", type=Path, default=None, help="default var/bench/routing[-vllm|-pd].json")
+    parser.add_argument("--plot", type=Path, default=None, help="default docs/routing[-vllm|-pd].png")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--report", type=Path, nargs="+", help="report saved results instead of running")
     args = parser.parse_args(argv)
@@ -871,7 +905,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.qps = args.qps or ("1,2" if vllm else "4,8,12")
     args.max_tokens = args.max_tokens or (16 if vllm else 64)
     args.model, args.block_size = (VLLM_MODEL, VLLM_BLOCK_SIZE) if vllm else (None, BLOCK_SIZE)
-    suffix = "-vllm" if vllm else ""
+    suffix = {"vllm": "-vllm", "pd": "-pd"}.get(args.fleet, "")
     args.out = args.out or ROOT / "var" / "bench" / f"routing{suffix}.json"
     args.plot = args.plot or ROOT / "docs" / f"routing{suffix}.png"
     return args

@@ -5,6 +5,8 @@ Definitions (the summary's keys):
 - ``ttft_s`` / ``e2e_s``: p50/p90/p99 over successful requests, seconds from sending the
   request to the pod (after routing) to its first text chunk / to ``[DONE]``. Percentiles
   interpolate linearly between order statistics (numpy's default method).
+- ``itl_s``: p50/p90/p99 over successful requests of more than one output token of their mean
+  inter-token latency, (``e2e`` - ``ttft``) / (output tokens - 1).
 - ``output_tokens_per_s``: output tokens of successful requests over the run's span (first
   request sent to last one finished).
 - ``fleet_hit_rate``: sum over pods of the growth of ``vllm:prefix_cache_hits_total`` divided
@@ -221,6 +223,13 @@ def summarize(step: StepResult) -> dict:
         "duration_s": span,
         "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
         "e2e_s": percentiles([r.e2e for r in ok if r.e2e is not None]),
+        "itl_s": percentiles(
+            [
+                (r.e2e - r.ttft) / (r.output_tokens - 1)
+                for r in ok
+                if r.e2e is not None and r.ttft is not None and r.output_tokens > 1
+            ]
+        ),
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / span if span > 0 else None,
         "fleet_hit_rate": hit_rate,

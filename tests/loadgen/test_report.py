@@ -94,6 +94,7 @@ def test_summary_of_a_run():
     assert (s["requests"], s["ok"], s["failed"]) == (4, 3, 1)
     assert s["ttft_s"]["p50"] == pytest.approx(0.2)
     assert s["e2e_s"]["p90"] == pytest.approx(1.9)
+    assert s["itl_s"]["p50"] == pytest.approx((1.5 - 0.2) / 9)  # of 0.9 / 9, 1.7 / 9 and 1.3 / 9
     assert s["duration_s"] == 4.0 and s["output_tokens"] == 30
     assert s["output_tokens_per_s"] == pytest.approx(7.5)
     assert s["fleet_hit_rate"] == pytest.approx(0.5)

@@ -164,10 +164,16 @@ def test_report_of_saved_results_prints_the_table_and_draws_the_plot(tmp_path, c
         ("chat", "vllm-router:cache_aware"),
     ]
     printed = capsys.readouterr().out
-    assert "| hot | random | 4 | 11 / 0 | 2.000 | 4.000 | 8.000 | 2.000 | 100.0 | 50.0% | 1.50 |" in printed
-    assert "| chat | kv-load | 4 | 10 / 0 | 0.150 | 0.300 | 0.600 | 2.000 | 100.0 | 50.0% | 1.50 |" in printed
     assert (
-        "| chat | vllm-router:cache_aware | 4 | 10 / 0 | 0.250 | 0.500 | 1.000 | 2.000 | 100.0 | 50.0% | - |"
+        "| hot | random | 4 | 11 / 0 | 2.000 | 4.000 | 8.000 | - | - | 2.000 | 100.0 | 50.0% | 1.50 |"
+        in printed
+    )
+    assert (
+        "| chat | kv-load | 4 | 10 / 0 | 0.150 | 0.300 | 0.600 | - | - | 2.000 | 100.0 | 50.0% | 1.50 |"
+        in printed
+    )
+    assert (
+        "| chat | vllm-router:cache_aware | 4 | 10 / 0 | 0.250 | 0.500 | 1.000 | - | - | 2.000 | 100.0 | 50.0% | - |"
         in printed
     )
     assert (
@@ -292,3 +298,23 @@ def test_the_real_engine_fleet_has_workloads_and_a_ladder_of_its_own():
     assert 2.0 < capacity.working_set_tokens() / (2 * 256 * 32) < 2.5  # overflows the 2 engines' caches
     sim = routing.parse_args([])
     assert (sim.qps, sim.max_tokens, sim.out.name) == ("4,8,12", 64, "routing.json")
+
+
+def test_a_pd_fleet_serves_in_two_steps_and_its_runs_are_named_apart(tmp_path, capsys):
+    """``--fleet pd``: a prefill pod and a decode pod; the gateway serves every request in two
+    steps (the decode pod answers, the prefill pod computed the prompt); the report names the
+    runs ``<router>@pd``, apart from the aggregated fleet's."""
+    out = tmp_path / "routing-pd.json"
+    runs = routing.main(
+        ["--fleet", "pd", "--prefill-pods", "1", "--workloads", "capacity", "--routers", "kv-load",
+         "--qps", "4", "--duration", "2", "--pods", "2", "--max-tokens", "4", "--out", str(out), "--no-plot"]
+    )  # fmt: skip
+    assert [r["router"] for r in runs] == ["kv-load@pd"]
+    summary = runs[0]
+    assert summary["failed"] == 0 and summary["ok"] == summary["requests"] > 0
+    assert summary["pod_requests"].keys() == {"sim-1"}  # the decode pod answers every request
+    assert summary["itl_s"]["p50"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["fleet"]["prefill_pods"] == 1 and saved["runs"][0]["router"] == "kv-load"
+    aggregated = {**saved, "fleet": {"pods": 2}, "runs": [{**saved["runs"][0], "qps": 4}]}
+    assert {r["router"] for r in routing.merged([aggregated, saved])} == {"kv-load", "kv-load@pd"}
