@@ -292,3 +292,41 @@ def test_the_real_engine_fleet_has_workloads_and_a_ladder_of_its_own():
     assert 2.0 < capacity.working_set_tokens() / (2 * 256 * 32) < 2.5  # overflows the 2 engines' caches
     sim = routing.parse_args([])
     assert (sim.qps, sim.max_tokens, sim.out.name) == ("4,8,12", 64, "routing.json")
+
+
+class FakeStack:
+    pod_urls = {"sim-0": "http://p:0", "sim-1": "http://d:1", "sim-2": "http://d:2"}
+
+    def stop_gateways(self) -> None:
+        pass
+
+
+class FakePeer:
+    url = "http://peer"
+
+    def stop(self) -> None:
+        pass
+
+
+def test_in_front_of_a_p_d_fleet_a_peer_runs_in_its_p_d_mode(tmp_path, monkeypatch):
+    """With the pods' roles, a peer gets the prefill pods on one side and every other pod on the
+    other (as the gateway splits them); without, every pod as a worker."""
+    started = []
+    monkeypatch.setattr(
+        routing, "start_pd_peer", lambda name, **kw: started.append(("pd", name, kw)) or FakePeer()
+    )
+    monkeypatch.setattr(
+        routing, "start_peer", lambda name, **kw: started.append(("whole", name, kw)) or FakePeer()
+    )
+
+    with routing.Routers(FakeStack(), tmp_path, roles={"sim-0": "prefill"}).running(
+        "smg:prefix_hash", 1
+    ) as urls:
+        assert urls == ["http://peer"]
+    with routing.Routers(FakeStack(), tmp_path).running("vllm-router:cache_aware", 1):
+        pass
+
+    (mode, name, kw), (whole, other, whole_kw) = started
+    assert (mode, name, kw["policy"]) == ("pd", "smg", "prefix_hash")
+    assert (kw["prefill"], kw["decode"]) == (["http://p:0"], ["http://d:1", "http://d:2"])
+    assert (whole, other, whole_kw["workers"]) == ("whole", "vllm-router", list(FakeStack.pod_urls.values()))
