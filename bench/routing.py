@@ -86,7 +86,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -103,11 +103,12 @@ from bench.dynamo import (  # noqa: E402
 )
 from bench.gateway import MODEL, Stack  # noqa: E402
 from bench.machine import machine  # noqa: E402
-from bench.peers import PEERS, RunningPeer, peers_installed, start_peer  # noqa: E402
+from bench.peers import PEERS, RunningPeer, peers_installed, start_pd_peer, start_peer  # noqa: E402
 from bench.vllm_system import BLOCK_SIZE as VLLM_BLOCK_SIZE  # noqa: E402
 from bench.vllm_system import MODEL as VLLM_MODEL  # noqa: E402
 from bench.vllm_system import VllmSystem  # noqa: E402
 from dashboard.gateways import Buckets, parse_gateway_metrics  # noqa: E402
+from routing.disaggregation import sides  # noqa: E402
 from simulator.loadgen.report import summarize  # noqa: E402
 from simulator.loadgen.runner import LoadgenConfig, parse_qps, run_step  # noqa: E402
 from simulator.loadgen.trace import TraceError, TraceSpec, load_window  # noqa: E402
@@ -288,13 +289,18 @@ class Routers:
         model: str = MODEL,
         block_size: int = BLOCK_SIZE,
         kv_blocks: int = KV_BLOCKS,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
-        """``model``, ``block_size`` and ``kv_blocks``: the pods' (what Dynamo is told of them)."""
+        """``model``, ``block_size`` and ``kv_blocks``: the pods' (what Dynamo is told of them).
+        ``roles``: pod -> role of a P/D fleet (``prefill``, ``decode``); the peers then run in
+        their P/D mode for vLLM's NixlConnector, the prefill pods on one side and every other pod
+        on the other, as the gateway splits them (``routing.disaggregation.sides``)."""
         self.stack = stack
         self.log_dir = log_dir
         self.model = model
         self.block_size = block_size
         self.kv_blocks = kv_blocks
+        self.roles = dict(roles or {})
         self.peers: list[RunningPeer | RunningDynamo] = []
 
     @contextlib.contextmanager
@@ -328,7 +334,12 @@ class Routers:
             return dynamo.url
         name, _, policy = router.partition(":")
         log = self.log_dir / f"{name}-{policy}-{replica}.log"
-        peer = start_peer(name, workers=list(self.stack.pod_urls.values()), policy=policy, log_path=log)
+        pd = sides(self.stack.pod_urls, self.roles)
+        if pd is None:
+            peer = start_peer(name, workers=list(self.stack.pod_urls.values()), policy=policy, log_path=log)
+        else:
+            prefill, decode = list(pd.prefill.values()), list(pd.decode.values())
+            peer = start_pd_peer(name, prefill=prefill, decode=decode, policy=policy, log_path=log)
         self.peers.append(peer)
         return peer.url
 

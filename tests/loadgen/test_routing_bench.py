@@ -173,7 +173,8 @@ def test_report_of_saved_results_prints_the_table_and_draws_the_plot(tmp_path, c
         in printed
     )
     assert (
-        "| chat | vllm-router:cache_aware | 4 | 10 / 0 | 0.250 | 0.500 | 1.000 | - | - | 2.000 | 100.0 | 50.0% | - |"
+        "| chat | vllm-router:cache_aware | 4 | 10 / 0 | 0.250 | 0.500 | 1.000 | - | - | 2.000 | 100.0 "
+        "| 50.0% | - |"
         in printed
     )
     assert (
@@ -318,3 +319,41 @@ def test_a_pd_fleet_serves_in_two_steps_and_its_runs_are_named_apart(tmp_path, c
     assert saved["fleet"]["prefill_pods"] == 1 and saved["runs"][0]["router"] == "kv-load"
     aggregated = {**saved, "fleet": {"pods": 2}, "runs": [{**saved["runs"][0], "qps": 4}]}
     assert {r["router"] for r in routing.merged([aggregated, saved])} == {"kv-load", "kv-load@pd"}
+
+
+class FakeStack:
+    pod_urls = {"sim-0": "http://p:0", "sim-1": "http://d:1", "sim-2": "http://d:2"}
+
+    def stop_gateways(self) -> None:
+        pass
+
+
+class FakePeer:
+    url = "http://peer"
+
+    def stop(self) -> None:
+        pass
+
+
+def test_in_front_of_a_p_d_fleet_a_peer_runs_in_its_p_d_mode(tmp_path, monkeypatch):
+    """With the pods' roles, a peer gets the prefill pods on one side and every other pod on the
+    other (as the gateway splits them); without, every pod as a worker."""
+    started = []
+    monkeypatch.setattr(
+        routing, "start_pd_peer", lambda name, **kw: started.append(("pd", name, kw)) or FakePeer()
+    )
+    monkeypatch.setattr(
+        routing, "start_peer", lambda name, **kw: started.append(("whole", name, kw)) or FakePeer()
+    )
+
+    with routing.Routers(FakeStack(), tmp_path, roles={"sim-0": "prefill"}).running(
+        "smg:prefix_hash", 1
+    ) as urls:
+        assert urls == ["http://peer"]
+    with routing.Routers(FakeStack(), tmp_path).running("vllm-router:cache_aware", 1):
+        pass
+
+    (mode, name, kw), (whole, other, whole_kw) = started
+    assert (mode, name, kw["policy"]) == ("pd", "smg", "prefix_hash")
+    assert (kw["prefill"], kw["decode"]) == (["http://p:0"], ["http://d:1", "http://d:2"])
+    assert (whole, other, whole_kw["workers"]) == ("whole", "vllm-router", list(FakeStack.pod_urls.values()))

@@ -1,8 +1,10 @@
 """The peer routers (``bench.peers``) in front of simulated pods: each peer, with each policy we
 compare against, starts on our fleet and routes completions and chat completions, plain and
 streamed, to the pods; cache_aware keeps a prompt on the pod that has it cached, round_robin
-alternates; SMG reads the pods' load from their vLLM metrics. Needs ``make bench-peers``; without
-it these tests skip, saying so.
+alternates; SMG reads the pods' load from their vLLM metrics. In front of a P/D fleet, each in its
+P/D mode prefills every request on a prefill pod and decodes it on a decode pod, which loads the
+prompt's KV cache from the prefill pod. Needs ``make bench-peers``; without it these tests skip,
+saying so.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from bench.peers import PEERS, PeersNotInstalled, peers_installed, start_peer
+from bench.peers import PEERS, PeersNotInstalled, pd_worker_specs, peers_installed, start_pd_peer, start_peer
 from simulator.config import EngineConfig, LatencyConfig, PodConfig
 from simulator.fleet import FleetConfig, PublishConfig
 from simulator.pod import PodTokenizer
@@ -30,25 +33,44 @@ needs_peers = pytest.mark.skipif(
 SYSTEM = "You answer questions about KV caches for a routing test, in one short sentence each. " * 4
 
 
+# Zero-latency pods.
+POD = PodConfig(
+    pod_id="sim-0",
+    model=MODEL,
+    engine=EngineConfig(hash_seed="42"),
+    latency=LatencyConfig(prefill_overhead_ms=0, prefill_time_per_token_ms=0, inter_token_latency_ms=0),
+)
+
+
 class RunningFleet(ThreadedFleet):
     """Two zero-latency pods on free loopback ports, served from a thread's event loop."""
 
     def __init__(self, tokenizer: PodTokenizer) -> None:
-        pod = PodConfig(
-            pod_id="sim-0",
-            model=MODEL,
-            engine=EngineConfig(hash_seed="42"),
-            latency=LatencyConfig(
-                prefill_overhead_ms=0, prefill_time_per_token_ms=0, inter_token_latency_ms=0
-            ),
-        )
-        config = FleetConfig(pod=pod, pods=2, base_port=0, publish=PublishConfig(endpoint=None))
+        config = FleetConfig(pod=POD, pods=2, base_port=0, publish=PublishConfig(endpoint=None))
         super().__init__(config, tokenizer)
+
+
+class RunningPDFleet(ThreadedFleet):
+    """Three zero-latency pods: ``sim-0`` prefills, ``sim-1`` and ``sim-2`` decode."""
+
+    def __init__(self, tokenizer: PodTokenizer) -> None:
+        config = FleetConfig(
+            pod=POD, pods=3, prefill_pods=1, base_port=0, publish=PublishConfig(endpoint=None)
+        )
+        super().__init__(config, tokenizer)
+        self.prefill, self.decode = self.urls[:1], self.urls[1:]
 
 
 @pytest.fixture(scope="module")
 def fleet(qwen: PodTokenizer) -> Iterator[RunningFleet]:
     running = RunningFleet(qwen)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(qwen: PodTokenizer) -> Iterator[RunningPDFleet]:
+    running = RunningPDFleet(qwen)
     yield running
     running.stop()
 
@@ -84,6 +106,17 @@ def streamed_text(chunks: list) -> str:
     )
 
 
+def metric(url: str, name: str) -> float:
+    """The sum of a pod's samples ``name`` (all labels) in its ``/metrics``."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
 # --- bench.peers without the peers ---------------------------------------------------------------
 
 
@@ -114,6 +147,56 @@ def test_each_peer_gets_its_own_metrics_port_and_the_workers() -> None:
     assert argv[:2] == ["/v/bin/smg", "launch"]
     assert argv[argv.index("--worker-urls") + 1 : argv.index("--policy")] == ["http://a:1", "http://b:2"]
     assert argv[argv.index("--prometheus-port") + 1] == "6"
+
+
+def test_vllm_router_names_the_p_d_pods_and_nixl_on_its_command_line() -> None:
+    argv = PEERS["vllm-router"].pd_argv(
+        Path("/v"),
+        prefill=["http://p:1"],
+        decode=["http://d:1", "http://d:2"],
+        policy="cache_aware",
+        decode_policy="round_robin",
+        host="h",
+        port=5,
+        metrics_port=6,
+    )
+    assert argv[:4] == ["/v/bin/vllm-router", "--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+    assert argv[4:10] == ["--prefill", "http://p:1", "--decode", "http://d:1", "--decode", "http://d:2"]
+    assert argv[10:14] == ["--policy", "cache_aware", "--decode-policy", "round_robin"]
+    assert "--prefill-policy" not in argv and "--worker-urls" not in argv
+
+
+def test_smg_gets_the_p_d_pods_from_its_worker_api_with_the_nixl_connector() -> None:
+    argv = PEERS["smg"].pd_argv(
+        Path("/v"),
+        prefill=["http://p:1"],
+        decode=["http://d:1"],
+        policy="prefix_hash",
+        host="h",
+        port=5,
+        metrics_port=6,
+    )
+    assert argv[:3] == ["/v/bin/smg", "launch", "--pd-disaggregation"]
+    assert "--prefill" not in argv and "--decode" not in argv
+    assert pd_worker_specs(["http://p:1"], ["http://d:1"]) == [
+        {
+            "url": "http://p:1",
+            "worker_type": "prefill",
+            "runtime_type": "vllm",
+            "kv_connector": "NixlConnector",
+        },
+        {
+            "url": "http://d:1",
+            "worker_type": "decode",
+            "runtime_type": "vllm",
+            "kv_connector": "NixlConnector",
+        },
+    ]
+
+
+def test_a_p_d_peer_needs_a_pod_on_each_side() -> None:
+    with pytest.raises(ValueError, match="one prefill pod and one decode pod"):
+        start_pd_peer("smg", prefill=["http://127.0.0.1:1"], decode=[], policy="round_robin")
 
 
 # --- each peer in front of the fleet -------------------------------------------------------------
@@ -196,3 +279,46 @@ def test_smg_reads_each_pods_load_from_its_vllm_metrics(fleet: RunningFleet) -> 
     for (load,) in loads.values():  # one rank each, idle
         assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
         assert 0.0 <= load["token_usage"] < 1.0
+
+
+# --- each peer in its P/D mode --------------------------------------------------------------------
+
+
+@needs_peers
+@pytest.mark.parametrize("name", sorted(PEERS))
+def test_a_peer_in_p_d_mode_prefills_on_the_prefill_pod_and_decodes_with_its_kv_cache(
+    pd_fleet: RunningPDFleet, name: str
+) -> None:
+    """Each request, plain or streamed, completion or chat: one prefill on ``sim-0`` (a request
+    that finishes ``remote_decode``), then a decode pod's answer after a KV transfer from it."""
+    decoders = {"sim-1", "sim-2"}
+    prefills_before = metric(pd_fleet.prefill[0], "vllm:request_success_total")
+    transfers_before = sum(metric(url, "vllm:nixl_xfer_time_seconds_count") for url in pd_fleet.decode)
+    with (
+        start_pd_peer(name, prefill=pd_fleet.prefill, decode=pd_fleet.decode, policy="round_robin") as peer,
+        httpx.Client(timeout=30) as client,
+    ):
+        r = client.post(f"{peer.url}/v1/completions", json=completion(f"P/D completion via {name}"))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == f"P/D completion via {name}"
+        assert r.headers[POD_HEADER] in decoders
+
+        r = client.post(f"{peer.url}/v1/chat/completions", json=chat(f"P/D chat via {name}"))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == f"P/D chat via {name}"
+        assert r.headers[POD_HEADER] in decoders
+
+        body = completion(f"Streamed P/D completion via {name}", stream=True)
+        with client.stream("POST", f"{peer.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = events(r)
+        assert streamed_text(chunks) == f"Streamed P/D completion via {name}"
+
+        body = chat(f"Streamed P/D chat via {name}", stream=True, stream_options={"include_usage": True})
+        with client.stream("POST", f"{peer.url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = events(r)
+        assert streamed_text(chunks) == f"Streamed P/D chat via {name}"
+    assert metric(pd_fleet.prefill[0], "vllm:request_success_total") - prefills_before == 4
+    transfers = sum(metric(url, "vllm:nixl_xfer_time_seconds_count") for url in pd_fleet.decode)
+    assert transfers - transfers_before == 4
