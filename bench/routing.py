@@ -452,8 +452,15 @@ def run(args: argparse.Namespace) -> dict:
         stack = Stack(pods=args.pods, simulate_args=tuple(fleet["simulate"]), bind_events=True)
     log_dir = stack.tmp / "logs"
     log_dir.mkdir(exist_ok=True)
+    pods = list(stack.pod_urls)  # in the fleet's order: simulate --prefill-pods makes the first ones prefill
+    roles = {pod: "prefill" for pod in pods[: fleet.get("prefill_pods", 0)]}
     launcher = Routers(
-        stack, log_dir, model=args.model or MODEL, block_size=args.block_size, kv_blocks=fleet["kv_blocks"]
+        stack,
+        log_dir,
+        model=args.model or MODEL,
+        block_size=args.block_size,
+        kv_blocks=fleet["kv_blocks"],
+        roles=roles,
     )
 
     def probe(workload: Workload, router: str, qps: float) -> dict:
