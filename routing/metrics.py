@@ -9,6 +9,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from registry.pod_metrics import READ_FAILURES
 
+PD_DECISIONS = ("disaggregated", "short_prompt", "fallback")
+PD_FALLBACK_REASONS = (
+    "connect",
+    "timeout",
+    "closed",
+    "malformed",
+    "too_large",
+    "status",
+    "no_transfer_params",
+    "no_pod",
+    "no_sidecar",
+)
+"""Why a prefill step failed (``routing.disaggregation.Prefilled.failure``; ``no_pod``: no prefill
+pod left to try; ``no_sidecar``: under the Endpoint Picker, the decode pod had no sidecar)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingMetrics:
@@ -77,14 +92,19 @@ class RoutingMetrics:
             pd_fallbacks=Counter(
                 f"{prefix}_pd_fallbacks",
                 "Prefill steps that failed, the request then served whole by its decode pod, by "
-                "reason (connect, timeout, closed, malformed, too_large, status: a 5xx or 429, "
-                "no_transfer_params: the pod answered without kv_transfer_params).",
+                "reason (the last prefill pod's: connect, timeout, closed, malformed, too_large, "
+                "status: a 5xx or 429, no_transfer_params: it answered without kv_transfer_params; "
+                "no_pod: none to try; no_sidecar: the picker's decode pod ran no sidecar).",
                 ["reason"],
                 registry=registry,
             ),
         )
         for reason in READ_FAILURES:
             made.scrape_failures.labels(reason)  # every reason shows, at 0 until it happens
+        for decision in PD_DECISIONS:
+            made.pd_requests.labels(decision)
+        for reason in PD_FALLBACK_REASONS:
+            made.pd_fallbacks.labels(reason)
         return made
 
     @classmethod
