@@ -64,6 +64,8 @@ PD_STEP = Histogram(
     buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+for _step in ("prefill", "transfer"):
+    PD_STEP.labels(_step)  # shown from the start, at 0 until a P/D request is served
 OVERHEAD = Histogram(
     "kvcache_gateway_overhead_seconds",
     "The gateway's own time per request: from receiving it whole to sending it to a pod.",
