@@ -2,8 +2,10 @@
 scrapes, ``sampler`` keeps each gateway's scrapes of the recent window).
 
 Input: the Prometheus text a gateway serves at ``/metrics`` (``gateway/metrics.py``): requests
-routed by policy, pod and outcome, retries by reason, prefix hits, score failures by reason, and
-histograms of the upstream time to first token and of the gateway's own overhead. Output: one
+routed by policy, pod and outcome, retries by reason, prefix hits, score failures by reason,
+histograms of the upstream time to first token and of the gateway's own overhead, and, under
+prefill/decode disaggregation, its decisions, fallbacks by reason, prefill steps by pod and
+outcome, and histograms of the prefill and transfer steps. Output: one
 JSON-able row per configured gateway. As in ``fleet``, recent numbers are never read but derived:
 the growth of the counters between the oldest scrape of the window and the latest, so they do not
 depend on how often anyone looks. Quantiles are estimated from the histogram buckets as
@@ -26,6 +28,10 @@ PREFIX_HITS = "kvcache_gateway_prefix_hits_total"
 SCORE_FAILURES = "kvcache_gateway_score_failures_total"
 TTFT = "kvcache_gateway_upstream_ttft_seconds"
 OVERHEAD = "kvcache_gateway_overhead_seconds"
+PD_REQUESTS = "kvcache_gateway_pd_requests_total"
+PD_FALLBACKS = "kvcache_gateway_pd_fallbacks_total"
+PD_PREFILLS = "kvcache_gateway_pd_prefills_total"
+PD_STEP = "kvcache_gateway_pd_step_seconds"
 
 
 def _grown(now: float, before: float) -> float:
@@ -83,6 +89,12 @@ class GatewayCounters:
     score_failures: Mapping[str, float] = field(default_factory=dict)
     ttft: Buckets = Buckets()
     overhead: Buckets = Buckets()
+    pd_decisions: Mapping[str, float] = field(default_factory=dict)
+    pd_fallbacks: Mapping[str, float] = field(default_factory=dict)
+    pd_prefills: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(prefill pod, outcome) -> prefill steps."""
+    prefill_step: Buckets = Buckets()
+    transfer_step: Buckets = Buckets()
 
     @property
     def requests(self) -> float:
@@ -108,6 +120,11 @@ class GatewayCounters:
             score_failures=grown(self.score_failures, before.score_failures),
             ttft=self.ttft.since(before.ttft),
             overhead=self.overhead.since(before.overhead),
+            pd_decisions=grown(self.pd_decisions, before.pd_decisions),
+            pd_fallbacks=grown(self.pd_fallbacks, before.pd_fallbacks),
+            pd_prefills=grown(self.pd_prefills, before.pd_prefills),
+            prefill_step=self.prefill_step.since(before.prefill_step),
+            transfer_step=self.transfer_step.since(before.transfer_step),
         )
 
 
@@ -119,7 +136,10 @@ def parse_gateway_metrics(text: str) -> GatewayCounters:
     retries: dict[str, float] = {}
     failures: dict[str, float] = {}
     hits = 0.0
-    buckets: dict[str, dict[float, float]] = {TTFT: {}, OVERHEAD: {}}
+    decisions: dict[str, float] = {}
+    fallbacks: dict[str, float] = {}
+    prefills: dict[tuple[str, str], float] = {}
+    buckets: dict[str, dict[float, float]] = {TTFT: {}, OVERHEAD: {}, "prefill": {}, "transfer": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
@@ -136,10 +156,20 @@ def parse_gateway_metrics(text: str) -> GatewayCounters:
                 hits += value
             elif name == SCORE_FAILURES:
                 failures[labels.get("reason", "")] = failures.get(labels.get("reason", ""), 0.0) + value
-            elif name.endswith("_bucket") and name.removesuffix("_bucket") in buckets:
+            elif name == PD_REQUESTS:
+                decisions[labels.get("decision", "")] = decisions.get(labels.get("decision", ""), 0.0) + value
+            elif name == PD_FALLBACKS:
+                fallbacks[labels.get("reason", "")] = fallbacks.get(labels.get("reason", ""), 0.0) + value
+            elif name == PD_PREFILLS:
+                key = (labels.get("pod", ""), labels.get("outcome", ""))
+                prefills[key] = prefills.get(key, 0.0) + value
+            elif name.endswith("_bucket") and (
+                name.removesuffix("_bucket") in buckets or name == PD_STEP + "_bucket"
+            ):
                 if "le" not in labels:
                     raise ValueError(f"{name} without an le label")
-                by_bound = buckets[name.removesuffix("_bucket")]
+                histogram_name = name.removesuffix("_bucket")
+                by_bound = buckets[labels.get("step", "") if histogram_name == PD_STEP else histogram_name]
                 bound = float(labels["le"])
                 by_bound[bound] = by_bound.get(bound, 0.0) + value
 
@@ -155,6 +185,11 @@ def parse_gateway_metrics(text: str) -> GatewayCounters:
         score_failures=failures,
         ttft=histogram(buckets[TTFT]),
         overhead=histogram(buckets[OVERHEAD]),
+        pd_decisions=decisions,
+        pd_fallbacks=fallbacks,
+        pd_prefills=prefills,
+        prefill_step=histogram(buckets["prefill"]),
+        transfer_step=histogram(buckets["transfer"]),
     )
 
 
@@ -211,6 +246,7 @@ _UNKNOWN_WHEN_UNREACHABLE = (
     "ttft_p90_overall",
     "overhead_p50",
     "overhead_p50_overall",
+    "pd",
 )
 """What an unreachable gateway's row has None for."""
 
@@ -240,9 +276,15 @@ def gateway_row(window: Sequence[GatewayScrape]) -> dict:
     recent_by_pod: dict[str, float] = {}
     for (pod, _), n in recent.routed.items():
         recent_by_pod[pod] = recent_by_pod.get(pod, 0.0) + n
+    for (pod, outcome), n in sorted(now.pd_prefills.items()):
+        entry = pods.setdefault(pod, {"pod": pod, "requests": 0.0, "not_ok": 0.0})
+        entry["prefills"] = entry.get("prefills", 0.0) + (n if outcome == "ok" else 0.0)
+        entry["prefill_failures"] = entry.get("prefill_failures", 0.0) + (n if outcome != "ok" else 0.0)
     for pod, entry in pods.items():
         entry["share"] = entry["requests"] / answered if answered else None
         entry["requests_per_s"] = _per_s(recent_by_pod.get(pod, 0.0), seconds)
+        entry.setdefault("prefills", None)  # a pod the gateway sent no prefill step
+        entry.setdefault("prefill_failures", None)
     outcomes: dict[str, float] = {}
     for (_, outcome), n in now.routed.items():
         outcomes[outcome] = outcomes.get(outcome, 0.0) + n
@@ -266,5 +308,23 @@ def gateway_row(window: Sequence[GatewayScrape]) -> dict:
         "ttft_p90_overall": now.ttft.quantile(0.9),
         "overhead_p50": recent.overhead.quantile(0.5),
         "overhead_p50_overall": now.overhead.quantile(0.5),
+        "pd": _pd(now, recent, seconds),
         "pods": list(pods.values()),
+    }
+
+
+def _pd(now: GatewayCounters, recent: GatewayCounters, seconds: float | None) -> dict | None:
+    """The gateway's prefill/decode disaggregation: its decisions (totals, and per second over
+    the window), fallbacks by reason, and the prefill and transfer steps' p50 (over the window
+    and since start); None when it has served no P/D request."""
+    if not any(now.pd_decisions.values()):
+        return None
+    return {
+        "decisions": {d: n for d, n in sorted(now.pd_decisions.items()) if n},
+        "decisions_per_s": _per_s(sum(recent.pd_decisions.values()), seconds),
+        "fallbacks_by_reason": {r: n for r, n in sorted(now.pd_fallbacks.items()) if n},
+        "prefill_p50": recent.prefill_step.quantile(0.5),
+        "prefill_p50_overall": now.prefill_step.quantile(0.5),
+        "transfer_p50": recent.transfer_step.quantile(0.5),
+        "transfer_p50_overall": now.transfer_step.quantile(0.5),
     }

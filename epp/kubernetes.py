@@ -7,9 +7,12 @@
   keeps ``pod name -> "podIP:port"`` for the pods that can take a request: Ready (condition
   ``Ready=True``), with an IP, and not being deleted (no ``deletionTimestamp``). Any other pod,
   and a pod gone (``DELETED``), is out. Each list replaces the whole map, so a pod deleted while
-  no watch ran leaves it too.
+  no watch ran leaves it too. Beside it, ``roles``: each such pod's role under prefill/decode
+  disaggregation, from its ``llm-d.ai/role`` label as llm-d reads it (``prefill``, ``decode``;
+  ``both``, another value or none: it serves whole requests).
 * ``overlay`` and ``PoolConfigSource``: the registry snapshot the EPP routes with, its pods
-  replaced by the pool's (model settings, hash seed, down and disabled pods kept).
+  replaced by the pool's, with their roles (model settings, hash seed, down and disabled pods
+  kept).
 
 Keeping the map (the invariant ``run`` holds): a successful list first, then one watch from the
 list's ``resourceVersion``. When the API server ends a watch stream cleanly, lightkube resumes it
@@ -54,6 +57,8 @@ INFERENCE_POOL = create_namespaced_resource(
 """The Gateway API Inference Extension's InferencePool, v1 (its CRD:
 ``deploy/overlays/inference-pool/crd/inference.networking.k8s.io_inferencepools.yaml``)."""
 
+ROLE_LABEL = "llm-d.ai/role"
+"""A pool pod's role under prefill/decode disaggregation (llm-d's label)."""
 LIST_CHUNK_SIZE = 500
 """Pods per list request: a large namespace is listed in pages rather than one huge answer."""
 
@@ -132,6 +137,14 @@ def pod_endpoint(pod: Pod, port: int) -> str | None:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+def pod_role(pod: Pod) -> str | None:
+    """``prefill`` or ``decode`` from the pod's ``llm-d.ai/role`` label; None for a pod that
+    serves whole requests (``both``, another value, no label)."""
+    labels = (pod.metadata.labels if pod.metadata is not None else None) or {}
+    role = labels.get(ROLE_LABEL)
+    return role if role in ("prefill", "decode") else None
+
+
 def pod_name(pod: Pod) -> str:
     """``metadata.name``; raises ``MalformedPod`` when there is none."""
     if pod.metadata is None or not pod.metadata.name:
@@ -194,11 +207,18 @@ class PoolEndpoints:
         self.stats = PoolStats()
         self.synced = asyncio.Event()
         self._endpoints: Mapping[str, str] = MappingProxyType({})
+        self._roles: Mapping[str, str] = MappingProxyType({})
         self._task: asyncio.Task[None] | None = None
 
     @property
     def endpoints(self) -> Mapping[str, str]:
         return self._endpoints
+
+    @property
+    def roles(self) -> Mapping[str, str]:
+        """pod name -> ``prefill`` or ``decode`` of the pods in ``endpoints`` that have one;
+        replaced with ``endpoints`` (a new ``endpoints`` object whenever either changes)."""
+        return self._roles
 
     def start(self) -> asyncio.Task[None]:
         """Run ``run`` in a task of the running loop (once)."""
@@ -241,17 +261,20 @@ class PoolEndpoints:
         listing = self.client.list(
             Pod, namespace=self.namespace, labels=self.selector, chunk_size=LIST_CHUNK_SIZE
         )
-        endpoints = {}
+        endpoints, roles = {}, {}
         async for pod in listing:
             try:
                 endpoint = pod_endpoint(pod, self.port)
                 if endpoint is not None:
-                    endpoints[pod_name(pod)] = endpoint
+                    name = pod_name(pod)
+                    endpoints[name] = endpoint
+                    if (role := pod_role(pod)) is not None:
+                        roles[name] = role
             except MalformedPod as error:
                 self._malformed(error)
         version = listing.resourceVersion  # raises NotReadyError when the answer had none
         self.stats.lists += 1
-        self._replace(endpoints)
+        self._replace(endpoints, roles)
         return version
 
     def _apply(self, kind: str, pod: Pod) -> None:
@@ -266,24 +289,31 @@ class PoolEndpoints:
             self._malformed(error)
             return
         self.stats.events += 1
-        if self._endpoints.get(name) == endpoint:
+        role = pod_role(pod) if endpoint is not None else None
+        if self._endpoints.get(name) == endpoint and self._roles.get(name) == role:
             return
-        endpoints = dict(self._endpoints)
-        if endpoint is None:
-            del endpoints[name]
-        else:
+        endpoints, roles = dict(self._endpoints), dict(self._roles)
+        endpoints.pop(name, None)
+        roles.pop(name, None)
+        if endpoint is not None:
             endpoints[name] = endpoint
-        self._replace(endpoints)
+            if role is not None:
+                roles[name] = role
+        self._replace(endpoints, roles)
 
-    def _replace(self, endpoints: dict[str, str]) -> None:
-        if endpoints == self._endpoints:
+    def _replace(self, endpoints: dict[str, str], roles: dict[str, str]) -> None:
+        if endpoints == self._endpoints and roles == self._roles:
             return
         before = self._endpoints
         for name in sorted(before.keys() - endpoints.keys()):
             log.info("pool %s: pod %s left (was %s)", self.namespace, name, before[name])
         for name in sorted(endpoints.keys() - before.keys()):
             log.info("pool %s: pod %s ready at %s", self.namespace, name, endpoints[name])
-        self._endpoints = MappingProxyType(endpoints)
+        for name in sorted(roles.keys() & endpoints.keys()):
+            if roles[name] != self._roles.get(name):
+                log.info("pool %s: pod %s is a %s pod", self.namespace, name, roles[name])
+        self._roles = MappingProxyType(roles)
+        self._endpoints = MappingProxyType(endpoints)  # a new object: the snapshot is built again
 
     def _malformed(self, error: Exception) -> None:
         self.stats.malformed += 1
@@ -301,16 +331,20 @@ class PoolEndpoints:
             log.exception("pool %s: %s failed, listing again", self.namespace, what)
 
 
-def overlay(config: ServiceConfig, endpoints: Mapping[str, str], model: str) -> ServiceConfig:
+def overlay(
+    config: ServiceConfig, endpoints: Mapping[str, str], model: str, roles: Mapping[str, str] | None = None
+) -> ServiceConfig:
     """``config`` with its pods replaced by ``endpoints`` (pod -> address), each serving ``model``,
-    all of them registered. Everything else is kept: model settings, the hash seed, disabled and
-    down pods (they apply to the pool's pods of the same ids), endpoints of the registry's pods."""
+    all of them registered, with their ``roles`` (pod -> ``prefill`` or ``decode``). Everything
+    else is kept: model settings, the hash seed, disabled and down pods (they apply to the pool's
+    pods of the same ids), endpoints of the registry's pods."""
     return dataclasses.replace(
         config,
         pods=dict.fromkeys(endpoints, model),
         pod_addresses=dict(endpoints),
         registered_pods=frozenset(endpoints),
         pod_models=frozenset({model}),  # the pool serves it, even while none of its pods is ready
+        pod_roles=dict(roles or {}),
     )
 
 
@@ -351,9 +385,10 @@ class PoolConfigSource:
         built = self._built
         if built is not None and built[0] is config and built[1] is endpoints:
             return built[2]
-        pods = endpoints
+        pods, roles = endpoints, self.pool.roles
         if self.pod_ids == "address":
             pods = {address: address for address in endpoints.values()}
-        result = overlay(config, pods, self.model)
+            roles = {endpoints[name]: role for name, role in roles.items() if name in endpoints}
+        result = overlay(config, pods, self.model, roles)
         self._built = (config, endpoints, result)
         return result

@@ -148,6 +148,27 @@ def check_the_gateways(page, gateway, refused: str) -> None:
     decision = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-0"]')
     expect(decision.locator('[data-col="requests"]')).to_have_text("7")
     expect(decision.locator('[data-col="share"]')).to_have_text("70.0 %")
+    expect(up.locator('[data-col="pd"]')).to_have_text("—")  # no P/D request yet
+
+    # Prefill/decode disaggregation: 4 requests prefilled on sim-9 and decoded on sim-0, one of
+    # them after sim-8's prefill step failed, one whole on sim-0 after every prefill pod failed.
+    counted.ROUTING.pd_requests.labels("disaggregated").inc(4)
+    counted.ROUTING.pd_requests.labels("fallback").inc(1)
+    counted.ROUTING.pd_fallbacks.labels("connect").inc(1)
+    counted.PD_PREFILLS.labels("sim-9", "ok").inc(4)
+    counted.PD_PREFILLS.labels("sim-8", "connect").inc(2)
+    for _ in range(4):
+        counted.PD_STEP.labels("prefill").observe(0.3)
+        counted.PD_STEP.labels("transfer").observe(0.02)
+    expect(up.locator('[data-col="pd"]')).to_have_text(
+        "disaggregated 4 · fallback 1 (connect 1)", timeout=5_000
+    )
+    expect(up.locator('[data-col="pd_steps"]')).to_contain_text("(375 ms / 17.5 ms)")
+    prefill = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-9"]')
+    expect(prefill.locator('[data-col="prefills"]')).to_have_text("4")
+    failing = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-8"]')
+    expect(failing.locator('[data-col="prefills"]')).to_have_text("0 (2 failed)")
+    expect(decision.locator('[data-col="prefills"]')).to_have_text("—")  # sim-0 only decodes
 
     down = page.locator(f'#gateways tr[data-gateway="{refused}"]')
     expect(down.locator('[data-col="status"]')).to_contain_text("unreachable")

@@ -100,10 +100,57 @@ def test_a_row_has_totals_and_no_recent_numbers_from_a_single_scrape(gateway):
     assert row["overhead_p50_overall"] == pytest.approx(0.0015)
     recent = ("window_seconds", "requests_per_s", "retries_per_s", "hit_rate", "ttft_p50", "ttft_p90")
     assert {k: row[k] for k in (*recent, "overhead_p50")} == dict.fromkeys((*recent, "overhead_p50"))
+    none = {"prefills": None, "prefill_failures": None}
     assert row["pods"] == [
-        {"pod": "sim-0", "requests": 6, "not_ok": 0, "share": 0.6, "requests_per_s": None},
-        {"pod": "sim-1", "requests": 4, "not_ok": 1, "share": 0.4, "requests_per_s": None},
+        {"pod": "sim-0", "requests": 6, "not_ok": 0, "share": 0.6, "requests_per_s": None, **none},
+        {"pod": "sim-1", "requests": 4, "not_ok": 1, "share": 0.4, "requests_per_s": None, **none},
     ]
+    assert row["pd"] is None  # no P/D request: nothing to show
+
+
+def serve_disaggregated(metrics) -> None:
+    """What a gateway counts for 10 requests of a P/D model: 8 prefilled on sim-0 or sim-1 then
+    decoded on sim-2 or sim-3; one below the threshold (whole on sim-3); one whose prefill pod
+    was down, served whole by sim-2."""
+    metrics.REQUESTS.labels("kv-load", "sim-2", "ok").inc(5)
+    metrics.REQUESTS.labels("kv-load", "sim-3", "ok").inc(5)
+    metrics.ROUTING.pd_requests.labels("disaggregated").inc(8)
+    metrics.ROUTING.pd_requests.labels("short_prompt").inc(1)
+    metrics.ROUTING.pd_requests.labels("fallback").inc(1)
+    metrics.ROUTING.pd_fallbacks.labels("connect").inc(1)
+    metrics.PD_PREFILLS.labels("sim-0", "ok").inc(6)
+    metrics.PD_PREFILLS.labels("sim-1", "ok").inc(2)
+    metrics.PD_PREFILLS.labels("sim-1", "connect").inc(1)
+    for _ in range(8):
+        metrics.PD_STEP.labels("prefill").observe(0.3)
+        metrics.PD_STEP.labels("transfer").observe(0.02)
+
+
+def test_a_gateway_serving_pd_shows_its_decisions_both_pods_and_the_steps_times(gateway):
+    serve_disaggregated(gateway)
+    first = gateway_row([scrape(gateway, 100.0)])
+    assert first["pd"] == {
+        "decisions": {"disaggregated": 8, "fallback": 1, "short_prompt": 1},
+        "decisions_per_s": None,
+        "fallbacks_by_reason": {"connect": 1},
+        "prefill_p50": None,
+        "prefill_p50_overall": pytest.approx(0.375),  # all 8 in (0.25, 0.5]
+        "transfer_p50": None,
+        "transfer_p50_overall": pytest.approx(0.0175),  # all 8 in (0.01, 0.025]
+    }
+    pods = {p["pod"]: (p["requests"], p["prefills"], p["prefill_failures"]) for p in first["pods"]}
+    assert pods == {
+        "sim-0": (0, 6, 0),
+        "sim-1": (0, 2, 1),
+        "sim-2": (5, None, None),
+        "sim-3": (5, None, None),
+    }
+    earlier = scrape(gateway, 100.0)
+    serve_disaggregated(gateway)
+    pd = gateway_row([earlier, scrape(gateway, 110.0)])["pd"]
+    assert pd["decisions_per_s"] == pytest.approx(1.0)  # 10 in 10 s
+    assert pd["decisions"] == {"disaggregated": 16, "fallback": 2, "short_prompt": 2}
+    assert pd["transfer_p50"] == pytest.approx(0.0175)
 
 
 def test_recent_numbers_grow_from_the_oldest_answered_scrape_of_the_window(gateway):

@@ -521,3 +521,46 @@ def test_the_pool_config_source_overlays_the_pool_on_the_registry_snapshot() -> 
             }
 
     run(scenario)
+
+
+def labelled(obj: dict, role: str) -> dict:
+    """``obj`` with llm-d's P/D role label."""
+    obj = copy.deepcopy(obj)
+    obj["metadata"]["labels"]["llm-d.ai/role"] = role
+    return obj
+
+
+def test_the_pool_pods_roles_come_from_their_llm_d_role_label() -> None:
+    """``llm-d.ai/role``: prefill and decode are roles; both, another value or none serve whole
+    requests. A relabelled pod, its address the same, makes a new snapshot."""
+    registry = ConfigSource(lambda: REGISTRY)
+
+    async def scenario(api: FakeApiServer) -> None:
+        await api.put(labelled(pod("p-0", "10.0.0.1"), "prefill"))
+        await api.put(labelled(pod("d-0", "10.0.0.2"), "decode"))
+        await api.put(labelled(pod("a-0", "10.0.0.3"), "both"))
+        await api.put(labelled(pod("x-0", "10.0.0.4"), "encode"))
+        await api.put(labelled(pod("s-0", "10.0.0.5", ready=False), "prefill"))
+        async with watching(api) as pool:
+            assert dict(pool.roles) == {"p-0": "prefill", "d-0": "decode"}  # the ready pods' roles
+            by_address = PoolConfigSource(registry, pool, MODEL)
+            by_name = PoolConfigSource(registry, pool, MODEL, pod_ids="name")
+            assert (await by_address.aget()).pod_roles == {
+                "10.0.0.1:8000": "prefill",
+                "10.0.0.2:8000": "decode",
+            }
+            assert (await by_name.aget()).pod_roles == {"p-0": "prefill", "d-0": "decode"}
+            before = await by_name.aget()
+
+            await api.put(labelled(pod("a-0", "10.0.0.3"), "decode"))  # relabelled, same address
+            await eventually(lambda: pool.roles.get("a-0") == "decode", "a-0 a decode pod")
+            assert (await by_name.aget()).pod_roles == {"p-0": "prefill", "d-0": "decode", "a-0": "decode"}
+            assert await by_name.aget() is not before
+
+            await api.put(labelled(pod("s-0", "10.0.0.5"), "prefill"))  # turns ready: a watch event
+            await eventually(lambda: "s-0" in pool.roles, "s-0 ready")
+            await api.put(labelled(pod("p-0", "10.0.0.1", ready=False), "prefill"))
+            await eventually(lambda: "p-0" not in pool.endpoints, "p-0 not ready")
+            assert dict(pool.roles) == {"d-0": "decode", "a-0": "decode", "s-0": "prefill"}
+
+    run(scenario)

@@ -367,6 +367,25 @@
       text: (g) => fmt.int(g.score_failures) + (g.score_failures ? ` (${fmt.counts(g.score_failures_by_reason)})` : ""),
       bad: (g) => g.score_failures > 0,
     },
+    // Prefill/decode disaggregation: a dash for a gateway that served no P/D request.
+    {
+      key: "pd",
+      text: (g) => {
+        if (!g.pd) return DASH;
+        const fallbacks = fmt.counts(g.pd.fallbacks_by_reason);
+        return fmt.counts(g.pd.decisions) + (Object.keys(g.pd.fallbacks_by_reason).length ? ` (${fallbacks})` : "");
+      },
+      bad: (g) => !!g.pd && g.pd.decisions.fallback > 0,
+    },
+    {
+      key: "pd_steps",
+      num: true,
+      text: (g) =>
+        g.pd
+          ? `${fmt.quantiles(g.pd.prefill_p50, g.pd.transfer_p50)} ` +
+            `(${fmt.quantiles(g.pd.prefill_p50_overall, g.pd.transfer_p50_overall)})`
+          : DASH,
+    },
   ];
 
   // One pod of one gateway's routing decisions (a gateway_row's "pods").
@@ -388,6 +407,15 @@
     { key: "share", num: true, text: (d) => fmt.percent(d.share) },
     { key: "requests_per_s", num: true, text: (d) => fmt.rate(d.requests_per_s) },
     { key: "not_ok", num: true, text: (d) => fmt.int(d.not_ok), bad: (d) => d.not_ok > 0 },
+    {
+      key: "prefills",
+      num: true,
+      text: (d) =>
+        d.prefills == null
+          ? DASH
+          : fmt.int(d.prefills) + (d.prefill_failures ? ` (${fmt.int(d.prefill_failures)} failed)` : ""),
+      bad: (d) => d.prefill_failures > 0,
+    },
   ];
 
   function gatewaySection() {
