@@ -185,12 +185,16 @@ class RandomPolicy(Policy):
         return ranked
 
 
+MAX_TURNS = 1024
+"""Sets of candidates whose turns round-robin keeps (subset hints make more)."""
+
+
 class RoundRobinPolicy(Policy):
     name = "round-robin"
 
     def __init__(self, rng: random.Random) -> None:
         super().__init__(rng)
-        self._turn = itertools.count()
+        self._turns: dict[tuple[str, ...], itertools.count] = {}
 
     def value(self, candidate: Candidate, blocks: int) -> float:
         return 0.0
@@ -198,10 +202,19 @@ class RoundRobinPolicy(Policy):
     def rank(
         self, candidates: Sequence[Candidate], *, blocks: int, affinity: int | None = None
     ) -> list[Candidate]:
+        """The candidates in name order, starting one further each time: each set of candidates
+        has its turn of its own (a P/D request ranks its prefill pods and its decode pods: one
+        turn for both would skip every other pod of each)."""
         ordered = sorted(candidates, key=lambda c: c.pod)
         if not ordered:
             return []
-        start = next(self._turn) % len(ordered)
+        pods = tuple(c.pod for c in ordered)
+        turn = self._turns.get(pods)
+        if turn is None:
+            if len(self._turns) >= MAX_TURNS:  # the fleet changed this often: start again
+                self._turns.clear()
+            turn = self._turns[pods] = itertools.count()
+        start = next(turn) % len(ordered)
         return ordered[start:] + ordered[:start]
 
 

@@ -60,6 +60,16 @@ def test_kv_load_keeps_a_prefix_on_its_pod_until_requests_wait_there():
     assert policy.rank([idle, half], blocks=100)[0].pod == "idle"
 
 
+def test_round_robin_takes_turns_within_each_set_of_candidates():
+    """A P/D request ranks its decode pods, then its prefill pods: each side goes round all of
+    its pods, whatever the other side does."""
+    policy = make_policy("round-robin", rng=random.Random(0))
+    decode = [Candidate(pod) for pod in ("d-0", "d-1", "d-2", "d-3")]
+    prefill = [Candidate(pod) for pod in ("p-0", "p-1", "p-2", "p-3")]
+    picks = [(policy.rank(decode, blocks=1)[0].pod, policy.rank(prefill, blocks=1)[0].pod) for _ in range(4)]
+    assert picks == [("d-0", "p-0"), ("d-1", "p-1"), ("d-2", "p-2"), ("d-3", "p-3")]
+
+
 def test_least_loaded_still_counts_every_request():
     policy = make_policy("least-loaded", rng=random.Random(0))
     ranked = policy.rank(
