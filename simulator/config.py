@@ -75,6 +75,12 @@ class LatencyConfig:
     cost (the notification and the set-up of the read); 0.02 ms a token, Qwen3-0.6B's 112 KiB of
     KV a token (28 layers, 8 KV heads of 128, bf16) at ~5.7 GB/s, a tenth of the default
     ``prefill_time_per_token_ms``: a transfer is visibly cheaper than prefilling again, not free.
+
+    ``prefill_interference``: how much a prompt being computed slows the engine's decoding, as
+    vLLM's chunked prefill does (a step that carries prefill tokens takes longer for every
+    request in the batch): each output token's ITL is multiplied by ``1 + prefill_interference``
+    for each request of the engine computing its prompt at that moment. 0 (the default) leaves
+    decoding alone; what prefill/decode disaggregation removes from the decode pods.
     """
 
     prefill_overhead_ms: float = 10.0
@@ -84,6 +90,7 @@ class LatencyConfig:
     jitter: float = 0.0
     kv_cache_transfer_latency_ms: float = 1.0
     kv_cache_transfer_time_per_token_ms: float = 0.02
+    prefill_interference: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,6 +99,7 @@ class LatencyConfig:
             "inter_token_latency_ms",
             "kv_cache_transfer_latency_ms",
             "kv_cache_transfer_time_per_token_ms",
+            "prefill_interference",
         ):
             value = getattr(self, name)
             _check(_number(value) and value >= 0, f"{name} must be a number >= 0, not {value!r}")

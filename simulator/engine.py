@@ -379,8 +379,21 @@ class Engine:
         self._schedule()
 
     def _inter_token_latency(self) -> float:
+        prefilling = 0
+        if self.latency.prefill_interference:
+            now = self._clock()
+            prefilling = sum(
+                1
+                for state in self._running
+                if not state.request.remote_prefill
+                and state.first_token_at is not None
+                and state.first_token_at > now
+            )
         itl = inter_token_latency(
-            self.latency, running=len(self._running), max_num_seqs=self.config.max_num_seqs
+            self.latency,
+            running=len(self._running),
+            max_num_seqs=self.config.max_num_seqs,
+            prefilling=prefilling,
         )
         return self._jitter.apply(itl, self.latency.jitter)
 

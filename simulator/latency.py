@@ -6,7 +6,8 @@ stays 0.2 ms (the reference simulator truncates such values to 0).
 * load multiplier ``m = 1 + (f - 1) * (running - 1) / (max_num_seqs - 1)``: 1 with one running
   request, ``f`` (``load_factor``) with a full batch; 1 when ``max_num_seqs`` is 1;
 * TTFT = (``prefill_overhead`` + (prompt_tokens - cached_tokens) * ``prefill_time_per_token``) * m;
-* ITL = ``inter_token_latency`` * m, evaluated for each token with the load at that time;
+* ITL = ``inter_token_latency`` * m * (1 + ``prefill_interference`` * p), evaluated for each token
+  with the load at that time, p the engine's requests computing their prompts then;
 * KV transfer (a prompt prefilled by another pod) = ``kv_cache_transfer_latency`` + transferred
   tokens * ``kv_cache_transfer_time_per_token``, in place of the TTFT and without ``m``;
 * jitter: each value times a seeded Gaussian factor N(1, jitter) clipped to [1 - 3 jitter,
@@ -41,10 +42,14 @@ def time_to_first_token(
     return nominal * _MS * load_multiplier(config.load_factor, running=running, max_num_seqs=max_num_seqs)
 
 
-def inter_token_latency(config: LatencyConfig, *, running: int, max_num_seqs: int) -> float:
-    """Seconds between two output tokens, without jitter."""
+def inter_token_latency(
+    config: LatencyConfig, *, running: int, max_num_seqs: int, prefilling: int = 0
+) -> float:
+    """Seconds between two output tokens, without jitter; ``prefilling``: the engine's requests
+    computing their prompts meanwhile (each slows the step by ``prefill_interference``)."""
     multiplier = load_multiplier(config.load_factor, running=running, max_num_seqs=max_num_seqs)
-    return config.inter_token_latency_ms * _MS * multiplier
+    interference = 1.0 + config.prefill_interference * prefilling
+    return config.inter_token_latency_ms * _MS * multiplier * interference
 
 
 def kv_transfer_time(config: LatencyConfig, *, transferred_tokens: int) -> float:

@@ -49,6 +49,7 @@ def test_every_option_reaches_the_fleet_config() -> None:
         "--failure-rate", "12.5", "--failure-types", "rate_limit,server_error",
         "--lora", "Alice=/a", "--lora", "Bob", "--role", "decode",
         "--kv-cache-transfer-latency-ms", "2.5", "--kv-cache-transfer-time-per-token-ms", "0.01",
+        "--prefill-interference", "0.5",
     ]  # fmt: skip
     config = fleet_config(options(*argv), registry=ServiceConfig(seed="7"))
     pod = config.pod
@@ -67,6 +68,7 @@ def test_every_option_reaches_the_fleet_config() -> None:
         2.5,
         0.01,
     )
+    assert pod.latency.prefill_interference == 0.5
     assert pod.role == "decode"
     assert [config.role_of(i) for i in range(3)] == ["decode"] * 3
 

@@ -299,3 +299,26 @@ def test_a_remote_prefill_tells_the_observer_its_transfer() -> None:
         ("transferred", pytest.approx(0.003 + 20 * 0.0005)),
         ("first token", pytest.approx(0.003 + 20 * 0.0005)),
     ]
+
+
+@pytest.mark.parametrize(("interference", "itl"), [(0.0, 0.002), (0.5, 0.003)])
+def test_a_prompt_being_computed_slows_the_engines_decoding(interference: float, itl: float) -> None:
+    """Chunked prefill: while b computes its prompt, every token a decodes takes 1 + interference
+    times longer; c, whose prompt is being transferred from a prefill pod, computes nothing."""
+    time = VirtualTime()
+    latency = LatencyConfig(
+        prefill_overhead_ms=0,
+        prefill_time_per_token_ms=10,
+        inter_token_latency_ms=2,
+        prefill_interference=interference,
+    )
+    e = virtual_engine(time, latency)
+
+    async def main() -> None:
+        a = e.submit(request(range(1), range(3), "a"))
+        e.submit(request(range(1000, 1100), [1], "b"))  # 100 tokens: 1 s of prefill
+        e.submit(request(range(2000, 2100), [1], "c", remote_prefill=True))
+        await drain(e, a)
+
+    asyncio.run(main())
+    assert time.sleeps == [pytest.approx(0.010), pytest.approx(itl), pytest.approx(itl)]

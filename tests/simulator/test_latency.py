@@ -95,3 +95,9 @@ def test_no_jitter_leaves_values_unchanged() -> None:
 def test_invalid_latency_settings_are_refused(fields: dict) -> None:
     with pytest.raises(ConfigError):
         LatencyConfig(**fields)
+
+
+def test_each_prompt_being_computed_slows_a_decode_step_by_the_interference() -> None:
+    config = LatencyConfig(inter_token_latency_ms=4, prefill_interference=0.25)
+    assert inter_token_latency(config, running=3, max_num_seqs=4) == pytest.approx(0.004)
+    assert inter_token_latency(config, running=3, max_num_seqs=4, prefilling=2) == pytest.approx(0.004 * 1.5)

@@ -109,6 +109,7 @@ def fleet_config(options: dict[str, Any], *, registry: ServiceConfig) -> FleetCo
             jitter=options["jitter"],
             kv_cache_transfer_latency_ms=options["kv_cache_transfer_latency_ms"],
             kv_cache_transfer_time_per_token_ms=options["kv_cache_transfer_time_per_token_ms"],
+            prefill_interference=options["prefill_interference"],
         ),
         failures=FailureConfig(rate=options["failure_rate"], types=types),
         output_mode=options["output_mode"],
@@ -324,6 +325,12 @@ class Command(BaseCommand):
             type=float,
             default=d_latency.kv_cache_transfer_time_per_token_ms,
             help="Per prompt token loaded (those not hit in the pod's own cache).",
+        )
+        latency.add_argument(
+            "--prefill-interference",
+            type=float,
+            default=d_latency.prefill_interference,
+            help="ITL slow-down per request prefilling on the engine meanwhile (chunked prefill; default 0).",
         )
 
         failures = parser.add_argument_group("failure injection")
