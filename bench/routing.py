@@ -50,7 +50,9 @@ NixlConnector protocol); our gateway's policies then serve every request in two 
 runs are named ``<router>@pd``, beside the aggregated fleet's ``<router>`` at equal pod count:
 report both files together), and the peers' P/D modes (``<peer>:pd``, ``bench/peers.py``) are
 given the prefill and decode pods apart. ITL (the mean inter-token latency of each request) is
-reported beside TTFT: what disaggregation is for.
+reported beside TTFT: what disaggregation is for. ``--prefill-interference F`` gives the
+simulated pods chunked prefill's cost (``simulate --prefill-interference``: each prompt being
+computed on a pod slows its decoding by F), which a P/D fleet's decode pods do not pay.
 
 ``--goodput``: instead of the fixed ladder, each router's *goodput* per workload: the highest
 QPS at which TTFT p90 <= 2 s with no failed request (every lower rate run passing too). The
@@ -422,6 +424,8 @@ def run(args: argparse.Namespace) -> dict:
         }
     else:
         simulate = [*FLEET, "--prefill-pods", str(args.prefill_pods)] if args.fleet == "pd" else list(FLEET)
+        if args.prefill_interference:
+            simulate += ["--prefill-interference", str(args.prefill_interference)]
         fleet = {"pods": args.pods, "kv_blocks": KV_BLOCKS, "block_size": BLOCK_SIZE, "simulate": simulate}
         if args.fleet == "pd":
             fleet["prefill_pods"] = args.prefill_pods
@@ -884,6 +888,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=PODS // 2,
         help=f"--fleet pd: pods that prefill (default {PODS // 2})",
+    )
+    parser.add_argument(
+        "--prefill-interference",
+        type=float,
+        default=0.0,
+        help="simulated pods: ITL slow-down per prompt being computed meanwhile (simulate's; default 0)",
     )
     parser.add_argument(
         "--workloads",
