@@ -7,12 +7,16 @@
   keeps ``pod name -> "podIP:port"`` for the pods that can take a request: Ready (condition
   ``Ready=True``), with an IP, and not being deleted (no ``deletionTimestamp``). Any other pod,
   and a pod gone (``DELETED``), is out. Each list replaces the whole map, so a pod deleted while
-  no watch ran leaves it too. Beside it, ``roles``: each such pod's role under prefill/decode
-  disaggregation, from its ``llm-d.ai/role`` label as llm-d reads it (``prefill``, ``decode``;
-  ``both``, another value or none: it serves whole requests).
+  no watch ran leaves it too. Beside it, ``roles``: ``pod name -> "prefill" | "decode"`` for
+  those pods, under prefill/decode disaggregation, from the label ``llm-d.ai/role`` read as
+  llm-d's role filters read it (``ROLES``): ``prefill`` (or ``encode-prefill``), ``decode``;
+  ``prefill-decode`` (or the older ``both``, or ``encode-prefill-decode``) and no label serve whole
+  requests, so the pod is not in ``roles``. Any other value serves whole requests too, and is
+  counted in ``PoolStats.unknown_roles`` and logged. The two maps change together: a pod
+  relabelled, its address the same, makes a new ``endpoints`` object as an address change does.
 * ``overlay`` and ``PoolConfigSource``: the registry snapshot the EPP routes with, its pods
-  replaced by the pool's, with their roles (model settings, hash seed, down and disabled pods
-  kept).
+  replaced by the pool's and ``pod_roles`` by their roles, both under the snapshot's pod ids (the
+  pod's address, or its name: ``pod_ids``); model settings, hash seed, down and disabled pods kept.
 
 Keeping the map (the invariant ``run`` holds): a successful list first, then one watch from the
 list's ``resourceVersion``. When the API server ends a watch stream cleanly, lightkube resumes it
@@ -59,6 +63,21 @@ INFERENCE_POOL = create_namespaced_resource(
 
 ROLE_LABEL = "llm-d.ai/role"
 """A pool pod's role under prefill/decode disaggregation (llm-d's label)."""
+ROLES: Mapping[str, str | None] = MappingProxyType(
+    {
+        "prefill": "prefill",
+        "decode": "decode",
+        "prefill-decode": None,
+        "both": None,
+        "encode-prefill": "prefill",
+        "encode-prefill-decode": None,
+    }
+)
+"""The values of ``llm-d.ai/role`` llm-d's prefill and decode filters take (llm-d-router,
+``pkg/epp/framework/plugins/scheduling/filter/bylabel/roles.go``), as ``ServiceConfig.pod_roles``
+has them: ``prefill``, ``decode``, or None for a pod that serves whole requests, on the decode
+side of a P/D model (``prefill-decode``; ``both`` is its deprecated name). This router has no
+encode stage: a pod that also encodes is read for its prefill and decode part."""
 LIST_CHUNK_SIZE = 500
 """Pods per list request: a large namespace is listed in pages rather than one huge answer."""
 
@@ -69,6 +88,10 @@ class InferencePoolError(ValueError):
 
 class MalformedPod(ValueError):
     """A pod object or watch event that decoded but cannot be read (no name, an IP that is none)."""
+
+
+class UnknownRole(ValueError):
+    """A pod's ``llm-d.ai/role`` that is none of ``ROLES``: the pod is kept, serving whole requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +161,20 @@ def pod_endpoint(pod: Pod, port: int) -> str | None:
 
 
 def pod_role(pod: Pod) -> str | None:
-    """``prefill`` or ``decode`` from the pod's ``llm-d.ai/role`` label; None for a pod that
-    serves whole requests (``both``, another value, no label)."""
+    """``prefill`` or ``decode`` from the pod's ``llm-d.ai/role`` label (``ROLES``); None for a
+    pod that serves whole requests (``prefill-decode``, ``both``, no label). Raises
+    ``UnknownRole`` for a value that is none of ``ROLES``."""
     labels = (pod.metadata.labels if pod.metadata is not None else None) or {}
-    role = labels.get(ROLE_LABEL)
-    return role if role in ("prefill", "decode") else None
+    value = labels.get(ROLE_LABEL)
+    if value is None:
+        return None
+    try:
+        return ROLES[value]
+    except KeyError:
+        raise UnknownRole(
+            f"pod {pod_name(pod)}: {ROLE_LABEL}={value!r} is none of {', '.join(ROLES)}; "
+            "it serves whole requests"
+        ) from None
 
 
 def pod_name(pod: Pod) -> str:
@@ -177,6 +209,9 @@ class PoolStats:
     failures: int = 0
     """Lists and watches that failed (an error from the API server or the connection, an
     undecodable answer); each is followed by a re-list."""
+    unknown_roles: int = 0
+    """Ready pods read (in a list or a watch event) with an ``llm-d.ai/role`` that is none of
+    ``ROLES``: kept, serving whole requests."""
 
 
 class PoolEndpoints:
@@ -268,7 +303,7 @@ class PoolEndpoints:
                 if endpoint is not None:
                     name = pod_name(pod)
                     endpoints[name] = endpoint
-                    if (role := pod_role(pod)) is not None:
+                    if (role := self._role(pod)) is not None:
                         roles[name] = role
             except MalformedPod as error:
                 self._malformed(error)
@@ -289,7 +324,7 @@ class PoolEndpoints:
             self._malformed(error)
             return
         self.stats.events += 1
-        role = pod_role(pod) if endpoint is not None else None
+        role = self._role(pod) if endpoint is not None else None
         if self._endpoints.get(name) == endpoint and self._roles.get(name) == role:
             return
         endpoints, roles = dict(self._endpoints), dict(self._roles)
@@ -309,11 +344,21 @@ class PoolEndpoints:
             log.info("pool %s: pod %s left (was %s)", self.namespace, name, before[name])
         for name in sorted(endpoints.keys() - before.keys()):
             log.info("pool %s: pod %s ready at %s", self.namespace, name, endpoints[name])
-        for name in sorted(roles.keys() & endpoints.keys()):
-            if roles[name] != self._roles.get(name):
-                log.info("pool %s: pod %s is a %s pod", self.namespace, name, roles[name])
+        for name in sorted(endpoints.keys()):
+            # A new pod's role, or one that changed ("both" goes without saying for a new pod).
+            if (role := roles.get(name)) != self._roles.get(name):
+                log.info("pool %s: pod %s, role %s", self.namespace, name, role or "both")
         self._roles = MappingProxyType(roles)
         self._endpoints = MappingProxyType(endpoints)  # a new object: the snapshot is built again
+
+    def _role(self, pod: Pod) -> str | None:
+        """``pod_role``; an unknown value counted and logged, the pod serving whole requests."""
+        try:
+            return pod_role(pod)
+        except UnknownRole as error:
+            self.stats.unknown_roles += 1
+            log.warning("pool %s: %s", self.namespace, error)
+            return None
 
     def _malformed(self, error: Exception) -> None:
         self.stats.malformed += 1
@@ -332,19 +377,24 @@ class PoolEndpoints:
 
 
 def overlay(
-    config: ServiceConfig, endpoints: Mapping[str, str], model: str, roles: Mapping[str, str] | None = None
+    config: ServiceConfig,
+    endpoints: Mapping[str, str],
+    model: str,
+    *,
+    roles: Mapping[str, str] | None = None,
 ) -> ServiceConfig:
     """``config`` with its pods replaced by ``endpoints`` (pod -> address), each serving ``model``,
-    all of them registered, with their ``roles`` (pod -> ``prefill`` or ``decode``). Everything
-    else is kept: model settings, the hash seed, disabled and down pods (they apply to the pool's
-    pods of the same ids), endpoints of the registry's pods."""
+    all of them registered, and its ``pod_roles`` by ``roles`` (pod -> ``prefill`` or ``decode``,
+    under the same pod ids; the role of a pod not in ``endpoints`` is dropped). Everything else is
+    kept: model settings, the hash seed, disabled and down pods (they apply to the pool's pods of
+    the same ids), endpoints of the registry's pods."""
     return dataclasses.replace(
         config,
         pods=dict.fromkeys(endpoints, model),
         pod_addresses=dict(endpoints),
         registered_pods=frozenset(endpoints),
         pod_models=frozenset({model}),  # the pool serves it, even while none of its pods is ready
-        pod_roles=dict(roles or {}),
+        pod_roles={pod: role for pod, role in (roles or {}).items() if pod in endpoints},
     )
 
 
@@ -356,6 +406,7 @@ class PoolConfigSource:
     pod by the id its engine publishes KV events under (the topic's ``kv@<pod>@<model>``); the
     engines of ``deploy/examples/vllm-engine.yaml`` use their address (``$(POD_IP):8000``), hence
     ``"address"`` by default. ``"name"``: the Kubernetes pod name, for engines that publish under it.
+    The pods' roles (``PoolEndpoints.roles``, by name) go into ``pod_roles`` under the same ids.
     """
 
     def __init__(
@@ -383,12 +434,13 @@ class PoolConfigSource:
     def _overlaid(self, config: ServiceConfig) -> ServiceConfig:
         endpoints = self.pool.endpoints
         built = self._built
+        # A relabelled pod makes a new endpoints object too: its identity covers the roles.
         if built is not None and built[0] is config and built[1] is endpoints:
             return built[2]
         pods, roles = endpoints, self.pool.roles
         if self.pod_ids == "address":
             pods = {address: address for address in endpoints.values()}
             roles = {endpoints[name]: role for name, role in roles.items() if name in endpoints}
-        result = overlay(config, pods, self.model, roles)
+        result = overlay(config, pods, self.model, roles=roles)
         self._built = (config, endpoints, result)
         return result

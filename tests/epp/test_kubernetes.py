@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,19 +18,23 @@ import pytest
 from aiohttp import web
 from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
+from lightkube.resources.core_v1 import Pod
 
 from epp.kubernetes import (
     Backoff,
     InferencePoolError,
     PoolConfigSource,
     PoolEndpoints,
+    UnknownRole,
     overlay,
     parse_pod_selector,
+    pod_role,
     pool_spec,
     read_inference_pool,
 )
 from registry.config import ModelSettings, ServiceConfig
 from registry.snapshot import ConfigSource
+from routing.disaggregation import Sides, sides
 
 NAMESPACE = "serving"
 TOKEN = "test-token"
@@ -497,6 +502,14 @@ def test_overlay_replaces_the_pods_and_keeps_the_rest() -> None:
     assert overlay(REGISTRY, {}, MODEL).pod_models == {MODEL}  # served, none ready: 503, not 404
 
 
+def test_overlay_replaces_the_pod_roles_with_those_of_its_pods() -> None:
+    registry = dataclasses.replace(REGISTRY, pod_roles={"registry-pod": "prefill"})
+    endpoints = {"10.0.0.1:8000": "10.0.0.1:8000", "10.0.0.2:8000": "10.0.0.2:8000"}
+    roles = {"10.0.0.1:8000": "prefill", "10.0.0.9:8000": "decode"}  # the second is no pod of it
+    assert overlay(registry, endpoints, MODEL, roles=roles).pod_roles == {"10.0.0.1:8000": "prefill"}
+    assert overlay(registry, endpoints, MODEL).pod_roles == {}
+
+
 def test_the_pool_config_source_overlays_the_pool_on_the_registry_snapshot() -> None:
     registry = ConfigSource(lambda: REGISTRY)
 
@@ -523,6 +536,9 @@ def test_the_pool_config_source_overlays_the_pool_on_the_registry_snapshot() -> 
     run(scenario)
 
 
+# --- the pods' prefill/decode roles ---------------------------------------------------------------------
+
+
 def labelled(obj: dict, role: str) -> dict:
     """``obj`` with llm-d's P/D role label."""
     obj = copy.deepcopy(obj)
@@ -530,37 +546,115 @@ def labelled(obj: dict, role: str) -> dict:
     return obj
 
 
-def test_the_pool_pods_roles_come_from_their_llm_d_role_label() -> None:
-    """``llm-d.ai/role``: prefill and decode are roles; both, another value or none serve whole
-    requests. A relabelled pod, its address the same, makes a new snapshot."""
-    registry = ConfigSource(lambda: REGISTRY)
+@pytest.mark.parametrize(
+    ("value", "role"),
+    [
+        ("prefill", "prefill"),
+        ("decode", "decode"),
+        ("prefill-decode", None),
+        ("both", None),  # llm-d's deprecated name of prefill-decode
+        ("encode-prefill", "prefill"),
+        ("encode-prefill-decode", None),
+        (None, None),  # no label
+    ],
+)
+def test_pod_role_reads_the_values_of_llm_d_role_label(value: str | None, role: str | None) -> None:
+    obj = pod("p-0") if value is None else labelled(pod("p-0"), value)
+    assert pod_role(Pod.from_dict(obj)) == role
 
+
+@pytest.mark.parametrize("value", ["encode", "Prefill", "", "prefill,decode"])
+def test_pod_role_refuses_a_value_llm_d_does_not_have(value: str) -> None:
+    with pytest.raises(UnknownRole, match=r"pod p-0: llm-d\.ai/role="):
+        pod_role(Pod.from_dict(labelled(pod("p-0"), value)))
+
+
+def test_the_listed_pods_roles_come_from_their_label() -> None:
     async def scenario(api: FakeApiServer) -> None:
         await api.put(labelled(pod("p-0", "10.0.0.1"), "prefill"))
         await api.put(labelled(pod("d-0", "10.0.0.2"), "decode"))
-        await api.put(labelled(pod("a-0", "10.0.0.3"), "both"))
-        await api.put(labelled(pod("x-0", "10.0.0.4"), "encode"))
-        await api.put(labelled(pod("s-0", "10.0.0.5", ready=False), "prefill"))
+        await api.put(labelled(pod("pd-0", "10.0.0.3"), "prefill-decode"))
+        await api.put(labelled(pod("b-0", "10.0.0.4"), "both"))
+        await api.put(pod("u-0", "10.0.0.5"))
+        await api.put(labelled(pod("x-0", "10.0.0.6"), "encode"))
+        await api.put(labelled(pod("s-0", "10.0.0.7", ready=False), "prefill"))
         async with watching(api) as pool:
-            assert dict(pool.roles) == {"p-0": "prefill", "d-0": "decode"}  # the ready pods' roles
-            by_address = PoolConfigSource(registry, pool, MODEL)
-            by_name = PoolConfigSource(registry, pool, MODEL, pod_ids="name")
-            assert (await by_address.aget()).pod_roles == {
-                "10.0.0.1:8000": "prefill",
-                "10.0.0.2:8000": "decode",
-            }
-            assert (await by_name.aget()).pod_roles == {"p-0": "prefill", "d-0": "decode"}
-            before = await by_name.aget()
+            assert set(pool.endpoints) == {"p-0", "d-0", "pd-0", "b-0", "u-0", "x-0"}
+            assert dict(pool.roles) == {"p-0": "prefill", "d-0": "decode"}  # the rest: whole requests
+            assert pool.stats.unknown_roles == 1  # x-0, kept
+            assert pool.stats.malformed == 0
 
-            await api.put(labelled(pod("a-0", "10.0.0.3"), "decode"))  # relabelled, same address
-            await eventually(lambda: pool.roles.get("a-0") == "decode", "a-0 a decode pod")
-            assert (await by_name.aget()).pod_roles == {"p-0": "prefill", "d-0": "decode", "a-0": "decode"}
-            assert await by_name.aget() is not before
+    run(scenario)
 
-            await api.put(labelled(pod("s-0", "10.0.0.5"), "prefill"))  # turns ready: a watch event
-            await eventually(lambda: "s-0" in pool.roles, "s-0 ready")
+
+def test_watch_events_change_the_roles_with_the_endpoints() -> None:
+    async def scenario(api: FakeApiServer) -> None:
+        async with watching(api) as pool:
+            await api.put(labelled(pod("p-0", "10.0.0.1"), "prefill"))
+            await api.put(labelled(pod("d-0", "10.0.0.2", ready=False), "decode"))
+            await eventually(lambda: "p-0" in pool.roles, "p-0 added")
+            assert dict(pool.roles) == {"p-0": "prefill"}  # d-0 is not ready
+            await api.put(labelled(pod("d-0", "10.0.0.2"), "decode"))
+            await eventually(lambda: "d-0" in pool.roles, "d-0 ready")
+            assert dict(pool.roles) == {"p-0": "prefill", "d-0": "decode"}
+
+            endpoints, events = pool.endpoints, pool.stats.events
+            await api.put(labelled(pod("d-0", "10.0.0.2"), "decode"))  # nothing changes
+            await eventually(lambda: pool.stats.events > events, "the event")
+            assert pool.endpoints is endpoints
+
+            await api.put(labelled(pod("d-0", "10.0.0.2"), "prefill"))  # relabelled, the same address
+            await eventually(lambda: pool.roles.get("d-0") == "prefill", "d-0 a prefill pod")
+            assert pool.endpoints == endpoints
+            assert pool.endpoints is not endpoints  # a new object: PoolConfigSource builds again
+
+            await api.put(pod("d-0", "10.0.0.2"))  # the label removed: whole requests
+            await eventually(lambda: "d-0" not in pool.roles, "d-0 unlabelled")
+            await api.put(labelled(pod("p-0", "10.0.0.1"), "encode"))  # no role llm-d has
+            await eventually(lambda: "p-0" not in pool.roles, "p-0 relabelled")
+            assert set(pool.endpoints) == {"p-0", "d-0"}
+            assert pool.stats.unknown_roles == 1
+
             await api.put(labelled(pod("p-0", "10.0.0.1", ready=False), "prefill"))
             await eventually(lambda: "p-0" not in pool.endpoints, "p-0 not ready")
-            assert dict(pool.roles) == {"d-0": "decode", "a-0": "decode", "s-0": "prefill"}
+            await api.put(labelled(pod("q-0", "10.0.0.3"), "decode"))
+            await eventually(lambda: "q-0" in pool.roles, "q-0 added")
+            await api.delete("q-0")
+            await eventually(lambda: "q-0" not in pool.endpoints, "q-0 deleted")
+            assert dict(pool.roles) == {}
+            assert pool.stats.malformed == 0
+
+    run(scenario)
+
+
+def test_the_snapshot_has_the_pool_pods_roles_under_its_pod_ids() -> None:
+    """``pod_roles`` keyed as ``pods`` are: by address (the default) or by name. A pod relabelled
+    from decode to prefill, its address the same, makes a new snapshot."""
+    registry = ConfigSource(lambda: dataclasses.replace(REGISTRY, pod_roles={"registry-pod": "decode"}))
+
+    async def scenario(api: FakeApiServer) -> None:
+        await api.put(labelled(pod("vllm-qwen3-p", "10.0.0.1"), "prefill"))
+        await api.put(labelled(pod("vllm-qwen3-d", "10.0.0.2"), "decode"))
+        await api.put(pod("vllm-qwen3-b", "10.0.0.3"))
+        async with watching(api) as pool:
+            by_address = PoolConfigSource(registry, pool, MODEL)
+            by_name = PoolConfigSource(registry, pool, MODEL, pod_ids="name")
+            config = await by_address.aget()
+            assert config.pod_roles == {"10.0.0.1:8000": "prefill", "10.0.0.2:8000": "decode"}
+            assert (await by_name.aget()).pod_roles == {"vllm-qwen3-p": "prefill", "vllm-qwen3-d": "decode"}
+            # As the routing core splits them: the unlabelled pod decodes (and serves whole requests).
+            assert sides(config.pod_addresses, config.pod_roles) == Sides(
+                prefill={"10.0.0.1:8000": "10.0.0.1:8000"},
+                decode={"10.0.0.2:8000": "10.0.0.2:8000", "10.0.0.3:8000": "10.0.0.3:8000"},
+            )
+
+            await api.put(labelled(pod("vllm-qwen3-d", "10.0.0.2"), "prefill"))
+            await eventually(lambda: pool.roles.get("vllm-qwen3-d") == "prefill", "the relabel")
+            relabelled = await by_address.aget()
+            assert relabelled is not config
+            assert relabelled.pod_addresses == config.pod_addresses
+            assert relabelled.pod_roles == {"10.0.0.1:8000": "prefill", "10.0.0.2:8000": "prefill"}
+            assert by_address.current() is relabelled
+            assert (await by_name.aget()).pod_roles == {"vllm-qwen3-p": "prefill", "vllm-qwen3-d": "prefill"}
 
     run(scenario)
