@@ -163,7 +163,7 @@ def check_the_gateways(page, gateway, refused: str) -> None:
     expect(up.locator('[data-col="pd"]')).to_have_text(
         "disaggregated 4 · fallback 1 (connect 1)", timeout=5_000
     )
-    expect(up.locator('[data-col="pd_steps"]')).to_contain_text("(375 ms / 17.5 ms)")
+    expect(up.locator('[data-col="pd_steps"]')).to_have_text("375 ms / 18 ms (375 ms / 18 ms)")
     prefill = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-9"]')
     expect(prefill.locator('[data-col="prefills"]')).to_have_text("4")
     failing = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-8"]')
