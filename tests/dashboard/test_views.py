@@ -52,7 +52,7 @@ def test_the_fleet_page_is_an_accessible_table_with_a_filter(staff_client):
 def test_the_fleet_page_has_a_table_of_gateways_and_one_of_their_routing_decisions(staff_client):
     html = staff_client.get("/dashboard/").content.decode()
     assert '<h2 id="gateways-heading">Gateways</h2>' in html
-    for table, columns in (("gateways", 13), ("routed", 6)):
+    for table, columns in (("gateways", 15), ("routed", 7)):
         markup = html.split(f'<table id="{table}"')[1].split("</table>")[0]
         assert markup.count('<th scope="col"') == columns
         assert '<caption class="visually-hidden">' in markup
