@@ -148,7 +148,18 @@ def test_the_fleet_frame_carries_the_gateways(staff_user, memory_index, settings
     assert (up["requests"], up["requests_per_s"], up["hit_rate_overall"]) == (3, 0.0, 1.0)
     assert up["ttft_p50_overall"] == pytest.approx(0.025 + 0.025 * 1.5 / 3)
     assert up["ttft_p50"] is None  # nothing observed in the window
-    assert up["pods"] == [{"pod": "sim-0", "requests": 3, "not_ok": 0, "share": 1.0, "requests_per_s": 0.0}]
+    assert up["pods"] == [
+        {
+            "pod": "sim-0",
+            "requests": 3,
+            "not_ok": 0,
+            "share": 1.0,
+            "requests_per_s": 0.0,
+            "prefills": None,
+            "prefill_failures": None,
+        }
+    ]
+    assert up["pd"] is None
     assert (down["url"], down["reachable"], down["policy"], down["requests"]) == (refused, False, None, None)
 
 
