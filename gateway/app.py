@@ -257,6 +257,7 @@ class GatewayApp:
                     pd = [(b"x-kvcache-pod", pod.encode()), (b"x-kvcache-pd", b"prefill_refused")]
                     await send_bytes(send, status, answer, b"application/json", pd)
                     return
+                decision.ranked = self.router.decode_pods_now(decision)
                 if step.prefilled.params is not None:
                     body, prefilled = decode_body(decision.payload, step.prefilled.params), True
                     extra = [(b"x-kvcache-pd", DISAGGREGATED.encode())]

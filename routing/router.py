@@ -220,31 +220,14 @@ class Router:
                 )
         keys, matched, token_count = await self._prefix(config, model, lora, kind, payload, pods, len(body))
         now = time.monotonic()
-        candidates = []
-        tracker = self.load
-        block_seconds, running_seconds = tracker.times.block_seconds, tracker.times.running_seconds
-        for pod in pods:
-            load = tracker.of(pod, now=now)
-            candidates.append(
-                Candidate(
-                    pod,
-                    matched.get(pod, 0),
-                    load,
-                    tracker.queued(pod, load),
-                    wait=tracker.wait_seconds(pod, load),
-                    prefill_ahead=tracker.prefilling.get(pod, 0.0),
-                    block_seconds=block_seconds,
-                    running_seconds=running_seconds,
-                )
-            )
+        candidates = [self._candidate(pod, matched.get(pod, 0), now) for pod in pods]
         streamed = payload.get("stream") is True
         affinity = affinity_of(keys)
         split = sides(pods, config.pod_roles)
         if split is None:
             ranked = self.policy.rank(candidates, blocks=len(keys), affinity=affinity)
             return Decision(model, keys, ranked, pods, streamed, payload)
-        decode = [c for c in candidates if c.pod in split.decode]
-        ranked = self.policy.rank(decode, blocks=len(keys), affinity=affinity)
+        ranked = self._rank_decode([c for c in candidates if c.pod in split.decode], keys)
         uncached = uncached_tokens(token_count, ranked[0].matched, config.model(model).block_size)
         if token_count and uncached < self.settings.pd_threshold_tokens:
             self.metrics.pd_requests.labels(SHORT_PROMPT).inc()
@@ -252,6 +235,40 @@ class Router:
         prefill = [c for c in candidates if c.pod in split.prefill]
         prefill = self.policy.rank(prefill, blocks=len(keys), affinity=affinity)
         return Decision(model, keys, ranked, pods, streamed, payload, prefill=prefill, pd=DISAGGREGATED)
+
+    def decode_pods_now(self, decision: Decision) -> list[Candidate]:
+        """A P/D request's decode pods ranked again with their load now, its prefill step done:
+        the pod it goes to is chosen when its prompt's KV cache is ready to be pulled, not when
+        the prefill began (a burst's requests would otherwise all see the same idle pod)."""
+        if self.policy.source == "none":  # random, round-robin, least-loaded: as they chose
+            return decision.ranked
+        now = time.monotonic()
+        fresh = [self._candidate(c.pod, c.matched, now) for c in decision.ranked]
+        return self._rank_decode(fresh, decision.keys)
+
+    def _rank_decode(self, decode: list[Candidate], keys: list[int]) -> list[Candidate]:
+        """Decode pods best first: a policy that reads prefixes ranks them by load, then by their
+        own prefix hits (what a decode pod holds it need not pull, but pulling is cheap against
+        computing: a busy pod's hit is not worth a wait); the others (random, round-robin,
+        least-loaded) their own way."""
+        if self.policy.source == "none":
+            return self.policy.rank(decode, blocks=len(keys), affinity=affinity_of(keys))
+        shuffled = {c.pod: self.policy.rng.random() for c in decode}
+        return sorted(decode, key=lambda c: (c.cost, -c.matched, shuffled[c.pod]))
+
+    def _candidate(self, pod: str, matched: int, now: float) -> Candidate:
+        tracker = self.load
+        load = tracker.of(pod, now=now)
+        return Candidate(
+            pod,
+            matched,
+            load,
+            tracker.queued(pod, load),
+            wait=tracker.wait_seconds(pod, load),
+            prefill_ahead=tracker.prefilling.get(pod, 0.0),
+            block_seconds=tracker.times.block_seconds,
+            running_seconds=tracker.times.running_seconds,
+        )
 
     def chosen(self, decision: Decision, candidate: Candidate, *, counted: bool = True) -> None:
         """``candidate``'s pod took the request: it is taken to hold its blocks (a speculative
