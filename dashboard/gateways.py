@@ -5,11 +5,13 @@ Input: the Prometheus text a gateway serves at ``/metrics`` (``gateway/metrics.p
 routed by policy, pod and outcome, retries by reason, prefix hits, score failures by reason,
 histograms of the upstream time to first token and of the gateway's own overhead, and, under
 prefill/decode disaggregation, its decisions, fallbacks by reason, prefill steps by pod and
-outcome, and histograms of the prefill and transfer steps. Output: one
-JSON-able row per configured gateway. As in ``fleet``, recent numbers are never read but derived:
-the growth of the counters between the oldest scrape of the window and the latest, so they do not
-depend on how often anyone looks. Quantiles are estimated from the histogram buckets as
-Prometheus's ``histogram_quantile`` does.
+outcome, and histograms of the prefill and transfer steps. Output: one JSON-able row per
+configured gateway (``gateway_row``): its traffic, its pods (the requests each answered, which
+under P/D is its decode pod, and the prefill steps each was sent), and a ``pd`` part that is None
+until the gateway serves a P/D request, so a fleet without P/D shows none of it. As in ``fleet``,
+recent numbers are never read but derived: the growth of the counters between the oldest scrape
+of the window and the latest, so they do not depend on how often anyone looks. Quantiles are
+estimated from the histogram buckets as Prometheus's ``histogram_quantile`` does.
 """
 
 from __future__ import annotations
@@ -254,9 +256,10 @@ _UNKNOWN_WHEN_UNREACHABLE = (
 def gateway_row(window: Sequence[GatewayScrape]) -> dict:
     """The row of one gateway from its scrapes of the recent window, oldest first, the latest
     last. Totals are since the gateway started; ``*_per_s``, ``hit_rate``, ``ttft_p50``,
-    ``ttft_p90`` and ``overhead_p50`` cover ``window_seconds``: from the oldest scrape that
-    answered to the latest (None with a single one). A gateway whose latest scrape failed is
-    ``reachable: False`` with the ``error``, and every number None: unknown, not zero."""
+    ``ttft_p90``, ``overhead_p50`` and the P/D steps' ``*_p50`` cover ``window_seconds``: from the
+    oldest scrape that answered to the latest (None with a single one). ``pods``: ``_pods``;
+    ``pd``: ``_pd``. A gateway whose latest scrape failed is ``reachable: False`` with the
+    ``error``, and every number None: unknown, not zero."""
     latest = window[-1]
     now = latest.counters
     row: dict = {"url": latest.url, "reachable": now is not None, "error": latest.error}
@@ -266,25 +269,6 @@ def gateway_row(window: Sequence[GatewayScrape]) -> dict:
     seconds = latest.at - oldest.at if latest.at > oldest.at else None
     # Without a window every recent number comes out None: no rate, no hit rate, no quantile.
     recent = now.since(oldest.counters) if seconds else GatewayCounters()
-    answered = now.answered
-    pods: dict[str, dict] = {}
-    for (pod, outcome), n in sorted(now.routed.items()):
-        if pod:
-            entry = pods.setdefault(pod, {"pod": pod, "requests": 0.0, "not_ok": 0.0})
-            entry["requests"] += n
-            entry["not_ok"] += n if outcome != "ok" else 0.0
-    recent_by_pod: dict[str, float] = {}
-    for (pod, _), n in recent.routed.items():
-        recent_by_pod[pod] = recent_by_pod.get(pod, 0.0) + n
-    for (pod, outcome), n in sorted(now.pd_prefills.items()):
-        entry = pods.setdefault(pod, {"pod": pod, "requests": 0.0, "not_ok": 0.0})
-        entry["prefills"] = entry.get("prefills", 0.0) + (n if outcome == "ok" else 0.0)
-        entry["prefill_failures"] = entry.get("prefill_failures", 0.0) + (n if outcome != "ok" else 0.0)
-    for pod, entry in pods.items():
-        entry["share"] = entry["requests"] / answered if answered else None
-        entry["requests_per_s"] = _per_s(recent_by_pod.get(pod, 0.0), seconds)
-        entry.setdefault("prefills", None)  # a pod the gateway sent no prefill step
-        entry.setdefault("prefill_failures", None)
     outcomes: dict[str, float] = {}
     for (_, outcome), n in now.routed.items():
         outcomes[outcome] = outcomes.get(outcome, 0.0) + n
@@ -309,19 +293,64 @@ def gateway_row(window: Sequence[GatewayScrape]) -> dict:
         "overhead_p50": recent.overhead.quantile(0.5),
         "overhead_p50_overall": now.overhead.quantile(0.5),
         "pd": _pd(now, recent, seconds),
-        "pods": list(pods.values()),
+        "pods": _pods(now, recent, seconds),
     }
 
 
+def _by_pod(counts: Mapping[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+    """(pod, outcome) -> n as pod -> outcome -> n, leaving out pod ``""`` (no pod answered)."""
+    by_pod: dict[str, dict[str, float]] = {}
+    for (pod, outcome), n in counts.items():
+        if pod:
+            outcomes = by_pod.setdefault(pod, {})
+            outcomes[outcome] = outcomes.get(outcome, 0.0) + n
+    return by_pod
+
+
+def _pods(now: GatewayCounters, recent: GatewayCounters, seconds: float | None) -> list[dict]:
+    """Per pod, by name: the requests it answered (under P/D, as the decode pod or whole), those
+    that did not end ``ok``, its share of the answered ones and its recent rate; and the prefill
+    steps the gateway sent it, whatever their outcome, their recent rate and those that did not
+    end ``ok`` by outcome (``refused``: the pod refused the request itself; else why the step
+    failed). The ``prefills*`` are None for a pod that was sent no prefill step (not a prefill pod,
+    or no P/D at all)."""
+    answered = now.answered
+    routed, routed_recent = _by_pod(now.routed), _by_pod(recent.routed)
+    prefills, prefills_recent = _by_pod(now.pd_prefills), _by_pod(recent.pd_prefills)
+    rows = []
+    for pod in sorted(routed.keys() | prefills.keys()):
+        outcomes = routed.get(pod, {})
+        requests = sum(outcomes.values())
+        row = {
+            "pod": pod,
+            "requests": requests,
+            "not_ok": sum(n for outcome, n in outcomes.items() if outcome != "ok"),
+            "share": requests / answered if answered else None,
+            "requests_per_s": _per_s(sum(routed_recent.get(pod, {}).values()), seconds),
+            "prefills": None,
+            "prefills_per_s": None,
+            "prefills_not_ok": None,
+        }
+        if pod in prefills:
+            steps = prefills[pod]
+            row["prefills"] = sum(steps.values())
+            row["prefills_per_s"] = _per_s(sum(prefills_recent.get(pod, {}).values()), seconds)
+            row["prefills_not_ok"] = {o: n for o, n in sorted(steps.items()) if o != "ok" and n}
+        rows.append(row)
+    return rows
+
+
 def _pd(now: GatewayCounters, recent: GatewayCounters, seconds: float | None) -> dict | None:
-    """The gateway's prefill/decode disaggregation: its decisions (totals, and per second over
-    the window), fallbacks by reason, and the prefill and transfer steps' p50 (over the window
-    and since start); None when it has served no P/D request."""
-    if not any(now.pd_decisions.values()):
+    """The gateway's prefill/decode disaggregation: requests per decision (totals, and per second
+    over the window), fallbacks by reason (those that happened), and the prefill and transfer
+    steps' p50 (over the window and since start). None while the gateway has counted no decision
+    and sent no prefill step (it exposes its decisions at 0 from the start: zeros are no P/D)."""
+    if not any(now.pd_decisions.values()) and not any(now.pd_prefills.values()):
         return None
+    decisions = dict(sorted(now.pd_decisions.items()))
     return {
-        "decisions": {d: n for d, n in sorted(now.pd_decisions.items()) if n},
-        "decisions_per_s": _per_s(sum(recent.pd_decisions.values()), seconds),
+        "decisions": decisions,
+        "decisions_per_s": {d: _per_s(recent.pd_decisions.get(d, 0.0), seconds) for d in decisions},
         "fallbacks_by_reason": {r: n for r, n in sorted(now.pd_fallbacks.items()) if n},
         "prefill_p50": recent.prefill_step.quantile(0.5),
         "prefill_p50_overall": now.prefill_step.quantile(0.5),

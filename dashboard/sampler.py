@@ -42,7 +42,8 @@ LOG_SIZE = 50
 """Activity entries kept per pod (one per snapshot in which the pod's counters moved)."""
 
 GATEWAY_WINDOW_SECONDS = 60.0
-"""How far back a gateway's recent numbers (rates, hit rate, TTFT and overhead quantiles) reach."""
+"""How far back a gateway's recent numbers (rates, P/D decisions per second, hit rate, TTFT,
+overhead and P/D step quantiles) reach."""
 
 
 @dataclass(frozen=True, slots=True)

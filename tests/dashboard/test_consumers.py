@@ -156,10 +156,11 @@ def test_the_fleet_frame_carries_the_gateways(staff_user, memory_index, settings
             "share": 1.0,
             "requests_per_s": 0.0,
             "prefills": None,
-            "prefill_failures": None,
+            "prefills_per_s": None,
+            "prefills_not_ok": None,
         }
     ]
-    assert up["pd"] is None
+    assert up["pd"] is None  # no prefill/decode disaggregation
     assert (down["url"], down["reachable"], down["policy"], down["requests"]) == (refused, False, None, None)
 
 

@@ -100,25 +100,28 @@ def test_a_row_has_totals_and_no_recent_numbers_from_a_single_scrape(gateway):
     assert row["overhead_p50_overall"] == pytest.approx(0.0015)
     recent = ("window_seconds", "requests_per_s", "retries_per_s", "hit_rate", "ttft_p50", "ttft_p90")
     assert {k: row[k] for k in (*recent, "overhead_p50")} == dict.fromkeys((*recent, "overhead_p50"))
-    none = {"prefills": None, "prefill_failures": None}
+    no_prefill = {"prefills": None, "prefills_per_s": None, "prefills_not_ok": None}
     assert row["pods"] == [
-        {"pod": "sim-0", "requests": 6, "not_ok": 0, "share": 0.6, "requests_per_s": None, **none},
-        {"pod": "sim-1", "requests": 4, "not_ok": 1, "share": 0.4, "requests_per_s": None, **none},
+        {"pod": "sim-0", "requests": 6, "not_ok": 0, "share": 0.6, "requests_per_s": None, **no_prefill},
+        {"pod": "sim-1", "requests": 4, "not_ok": 1, "share": 0.4, "requests_per_s": None, **no_prefill},
     ]
-    assert row["pd"] is None  # no P/D request: nothing to show
+    assert row["pd"] is None  # its P/D decisions are exposed at 0: no P/D, nothing to show
 
 
 def serve_disaggregated(metrics) -> None:
-    """What a gateway counts for 10 requests of a P/D model: 8 prefilled on sim-0 or sim-1 then
-    decoded on sim-2 or sim-3; one below the threshold (whole on sim-3); one whose prefill pod
-    was down, served whole by sim-2."""
+    """What a gateway counts for 11 requests of a P/D model: 8 prefilled on sim-0 (6) or sim-1
+    (2) then decoded on sim-2 or sim-3; one below the threshold (whole on sim-3); one whose
+    prefill pod sim-1 could not be reached, served whole by sim-2; one that sim-0 refused (a
+    prompt too long: its answer the client's)."""
     metrics.REQUESTS.labels("kv-load", "sim-2", "ok").inc(5)
     metrics.REQUESTS.labels("kv-load", "sim-3", "ok").inc(5)
+    metrics.REQUESTS.labels("kv-load", "sim-0", "prefill_refused").inc(1)
     metrics.ROUTING.pd_requests.labels("disaggregated").inc(8)
     metrics.ROUTING.pd_requests.labels("short_prompt").inc(1)
     metrics.ROUTING.pd_requests.labels("fallback").inc(1)
     metrics.ROUTING.pd_fallbacks.labels("connect").inc(1)
     metrics.PD_PREFILLS.labels("sim-0", "ok").inc(6)
+    metrics.PD_PREFILLS.labels("sim-0", "refused").inc(1)
     metrics.PD_PREFILLS.labels("sim-1", "ok").inc(2)
     metrics.PD_PREFILLS.labels("sim-1", "connect").inc(1)
     for _ in range(8):
@@ -126,31 +129,84 @@ def serve_disaggregated(metrics) -> None:
         metrics.PD_STEP.labels("transfer").observe(0.02)
 
 
-def test_a_gateway_serving_pd_shows_its_decisions_both_pods_and_the_steps_times(gateway):
+def test_a_gateway_s_pd_metrics_text_reads_as_its_counters(gateway):
+    serve_disaggregated(gateway)
+    counters = scrape(gateway, 0.0).counters
+    assert counters.pd_decisions == {"disaggregated": 8, "short_prompt": 1, "fallback": 1}
+    assert counters.pd_fallbacks["connect"] == 1
+    assert sum(counters.pd_fallbacks.values()) == 1  # every reason exposed, the others at 0
+    assert counters.pd_prefills == {
+        ("sim-0", "ok"): 6,
+        ("sim-0", "refused"): 1,
+        ("sim-1", "ok"): 2,
+        ("sim-1", "connect"): 1,
+    }
+    assert (counters.prefill_step.count, counters.transfer_step.count) == (8, 8)
+
+
+def test_a_gateway_serving_pd_shows_its_decisions_and_the_steps_times(gateway):
     serve_disaggregated(gateway)
     first = gateway_row([scrape(gateway, 100.0)])
     assert first["pd"] == {
         "decisions": {"disaggregated": 8, "fallback": 1, "short_prompt": 1},
-        "decisions_per_s": None,
-        "fallbacks_by_reason": {"connect": 1},
-        "prefill_p50": None,
+        "decisions_per_s": {"disaggregated": None, "fallback": None, "short_prompt": None},
+        "fallbacks_by_reason": {"connect": 1},  # the reasons that happened
+        "prefill_p50": None,  # no window yet
         "prefill_p50_overall": pytest.approx(0.375),  # all 8 in (0.25, 0.5]
         "transfer_p50": None,
         "transfer_p50_overall": pytest.approx(0.0175),  # all 8 in (0.01, 0.025]
     }
-    pods = {p["pod"]: (p["requests"], p["prefills"], p["prefill_failures"]) for p in first["pods"]}
-    assert pods == {
-        "sim-0": (0, 6, 0),
-        "sim-1": (0, 2, 1),
-        "sim-2": (5, None, None),
-        "sim-3": (5, None, None),
-    }
+
     earlier = scrape(gateway, 100.0)
-    serve_disaggregated(gateway)
+    gateway.ROUTING.pd_requests.labels("disaggregated").inc(10)
+    gateway.ROUTING.pd_requests.labels("fallback").inc(2)
+    gateway.ROUTING.pd_fallbacks.labels("timeout").inc(2)
+    for _ in range(10):
+        gateway.PD_STEP.labels("prefill").observe(0.03)
+        gateway.PD_STEP.labels("transfer").observe(0.3)
     pd = gateway_row([earlier, scrape(gateway, 110.0)])["pd"]
-    assert pd["decisions_per_s"] == pytest.approx(1.0)  # 10 in 10 s
-    assert pd["decisions"] == {"disaggregated": 16, "fallback": 2, "short_prompt": 2}
-    assert pd["transfer_p50"] == pytest.approx(0.0175)
+    assert pd["decisions"] == {"disaggregated": 18, "fallback": 3, "short_prompt": 1}
+    assert pd["decisions_per_s"] == {
+        "disaggregated": pytest.approx(1.0),  # 10 in 10 s
+        "fallback": pytest.approx(0.2),
+        "short_prompt": 0.0,
+    }
+    assert pd["fallbacks_by_reason"] == {"connect": 1, "timeout": 2}
+    # the window's 10 steps alone, all in (0.025, 0.05] and (0.25, 0.5]; since start, 18 each
+    assert (pd["prefill_p50"], pd["transfer_p50"]) == (pytest.approx(0.0375), pytest.approx(0.375))
+    assert pd["prefill_p50_overall"] == pytest.approx(0.025 + 0.025 * 9 / 10)
+    assert pd["transfer_p50_overall"] == pytest.approx(0.25 + 0.25 * 1 / 10)
+
+
+def test_each_pod_shows_the_requests_it_answered_beside_the_prefill_steps_it_was_sent(gateway):
+    serve_disaggregated(gateway)
+    earlier = scrape(gateway, 100.0)
+    gateway.PD_PREFILLS.labels("sim-0", "ok").inc(20)
+    gateway.REQUESTS.labels("kv-load", "sim-2", "ok").inc(20)
+    row = gateway_row([earlier, scrape(gateway, 110.0)])
+    pods = {
+        p["pod"]: (p["requests"], p["not_ok"], p["requests_per_s"], p["prefills"], p["prefills_per_s"])
+        for p in row["pods"]
+    }
+    assert list(pods) == ["sim-0", "sim-1", "sim-2", "sim-3"]  # by name, whatever their role
+    assert pods == {
+        "sim-0": (1, 1, 0.0, 27, pytest.approx(2.0)),  # prefills; the request it refused
+        "sim-1": (0, 0, 0.0, 3, 0.0),
+        "sim-2": (25, 0, pytest.approx(2.0), None, None),  # decodes: sent no prefill step
+        "sim-3": (5, 0, 0.0, None, None),
+    }
+    not_ok = {p["pod"]: p["prefills_not_ok"] for p in row["pods"]}
+    assert not_ok == {"sim-0": {"refused": 1}, "sim-1": {"connect": 1}, "sim-2": None, "sim-3": None}
+
+
+def test_prefill_steps_alone_are_pd_too(gateway):
+    # every P/D request so far refused by its prefill pod: no decision counted, yet P/D served
+    gateway.PD_PREFILLS.labels("sim-0", "refused").inc(2)
+    gateway.REQUESTS.labels("kv-load", "sim-0", "prefill_refused").inc(2)
+    pd = gateway_row([scrape(gateway, 100.0)])["pd"]
+    assert pd is not None
+    assert set(pd["decisions"].values()) == {0}
+    assert pd["prefill_p50_overall"] is None  # no prefill step ended ok
 
 
 def test_recent_numbers_grow_from_the_oldest_answered_scrape_of_the_window(gateway):
@@ -180,12 +236,17 @@ def test_recent_numbers_grow_from_the_oldest_answered_scrape_of_the_window(gatew
 
 def test_a_restarted_gateway_counts_from_zero(gateway):
     route_some(gateway)
+    serve_disaggregated(gateway)
     before = scrape(gateway, 100.0)
     restarted = fresh_gateway_metrics()
     restarted.REQUESTS.labels("kv-load", "sim-0", "ok").inc(2)
+    restarted.ROUTING.pd_requests.labels("disaggregated").inc(2)
+    restarted.PD_PREFILLS.labels("sim-9", "ok").inc(2)
     row = gateway_row([before, scrape(restarted, 102.0)])
     assert row["requests"] == 2
     assert row["requests_per_s"] == pytest.approx(1.0)  # not negative
+    assert row["pd"]["decisions_per_s"]["disaggregated"] == pytest.approx(1.0)
+    assert [(p["pod"], p["prefills_per_s"]) for p in row["pods"]][-1] == ("sim-9", pytest.approx(1.0))
 
 
 def test_an_unreachable_gateway_shows_no_numbers_rather_than_zeros(gateway):
