@@ -2,10 +2,10 @@
 ``manage.py ingest`` on the test Redis, Debian's headless Chromium driven by Playwright, KV events
 published over ZeroMQ, a gateway's ``/metrics`` served over HTTP. What a person would see: log in
 through the admin login, read the gateways' policy, decisions and latencies (and which gateway
-cannot be reached), watch a pod's block count change on the fleet page within 3 seconds, read the
-charts' legends without pointing at them (the history ingest records, the scoring traffic the web
-shares), keep watching across a web server restart, switch the charts to the last 24 hours, open
-the pod's page."""
+cannot be reached), see their prefill/decode disaggregation appear once one serves it, watch a
+pod's block count change on the fleet page within 3 seconds, read the charts' legends without
+pointing at them (the history ingest records, the scoring traffic the web shares), keep watching
+across a web server restart, switch the charts to the last 24 hours, open the pod's page."""
 
 from __future__ import annotations
 
@@ -148,27 +148,47 @@ def check_the_gateways(page, gateway, refused: str) -> None:
     decision = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-0"]')
     expect(decision.locator('[data-col="requests"]')).to_have_text("7")
     expect(decision.locator('[data-col="share"]')).to_have_text("70.0 %")
-    expect(up.locator('[data-col="pd"]')).to_have_text("—")  # no P/D request yet
+    # no P/D request yet: no P/D table, no prefill columns
+    expect(page.locator("#pd-part")).to_be_hidden()
+    expect(page.locator("#routed-pd-note")).to_be_hidden()
+    expect(decision.locator('[data-col="prefills"]')).to_be_hidden()
 
     # Prefill/decode disaggregation: 4 requests prefilled on sim-9 and decoded on sim-0, one of
-    # them after sim-8's prefill step failed, one whole on sim-0 after every prefill pod failed.
+    # them after sim-8's prefill step failed, one whole on sim-0 after every prefill pod failed,
+    # one that sim-9 refused (a prompt too long: its answer the client's).
+    counted.REQUESTS.labels("kv-load", "sim-9", "prefill_refused").inc(1)
     counted.ROUTING.pd_requests.labels("disaggregated").inc(4)
     counted.ROUTING.pd_requests.labels("fallback").inc(1)
     counted.ROUTING.pd_fallbacks.labels("connect").inc(1)
     counted.PD_PREFILLS.labels("sim-9", "ok").inc(4)
+    counted.PD_PREFILLS.labels("sim-9", "refused").inc(1)
     counted.PD_PREFILLS.labels("sim-8", "connect").inc(2)
     for _ in range(4):
         counted.PD_STEP.labels("prefill").observe(0.3)
         counted.PD_STEP.labels("transfer").observe(0.02)
-    expect(up.locator('[data-col="pd"]')).to_have_text(
-        "disaggregated 4 · fallback 1 (connect 1)", timeout=5_000
-    )
-    expect(up.locator('[data-col="pd_steps"]')).to_have_text("375 ms / 18 ms (375 ms / 18 ms)")
+    pd = page.locator(f'#pd-gateways tr[data-gateway="{gateway.url}"]')
+    expect(pd.locator('[data-col="disaggregated"]')).to_have_text("4", timeout=5_000)
+    expect(page.locator("#pd-part")).to_be_visible()
+    expect(pd.locator('[data-col="short_prompt"]')).to_have_text("0")
+    expect(pd.locator('[data-col="fallback"]')).to_have_text("1")
+    expect(pd.locator('[data-col="disaggregated_per_s"]')).not_to_have_text("—")  # over the window
+    expect(pd.locator('[data-col="fallback_per_s"]')).to_have_class("num bad")
+    expect(pd.locator('[data-col="fallbacks_by_reason"]')).to_have_text("connect 1")
+    # all observed in the window: the same p50 over it and since start
+    expect(pd.locator('[data-col="prefill_p50"]')).to_have_text("375 ms (375 ms)")
+    expect(pd.locator('[data-col="transfer_p50"]')).to_have_text("18 ms (18 ms)")
+    expect(page.locator(f'#pd-gateways tr[data-gateway="{refused}"]')).to_have_count(0)  # no P/D known
+
+    expect(page.locator("#routed-pd-note")).to_be_visible()
     prefill = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-9"]')
-    expect(prefill.locator('[data-col="prefills"]')).to_have_text("4")
+    expect(prefill.locator('[data-col="prefills"]')).to_have_text("5 (refused 1)")
+    expect(prefill.locator('[data-col="prefills"]')).to_have_class("num pd-only")  # a refusal: not bad
+    expect(prefill.locator('[data-col="prefills_per_s"]')).not_to_have_text("—")
     failing = page.locator(f'#routed tr[data-gateway="{gateway.url}"][data-pod="sim-8"]')
-    expect(failing.locator('[data-col="prefills"]')).to_have_text("0 (2 failed)")
+    expect(failing.locator('[data-col="prefills"]')).to_have_text("2 (connect 2)")
+    expect(failing.locator('[data-col="prefills"]')).to_have_class("num pd-only bad")
     expect(decision.locator('[data-col="prefills"]')).to_have_text("—")  # sim-0 only decodes
+    expect(decision.locator('[data-col="requests"]')).to_have_text("7")
 
     down = page.locator(f'#gateways tr[data-gateway="{refused}"]')
     expect(down.locator('[data-col="status"]')).to_contain_text("unreachable")

@@ -49,14 +49,20 @@ def test_the_fleet_page_is_an_accessible_table_with_a_filter(staff_client):
     assert "//cdn" not in html and "https://" not in html
 
 
-def test_the_fleet_page_has_a_table_of_gateways_and_one_of_their_routing_decisions(staff_client):
+def test_the_fleet_page_has_tables_of_gateways_their_pd_and_their_routing_decisions(staff_client):
     html = staff_client.get("/dashboard/").content.decode()
     assert '<h2 id="gateways-heading">Gateways</h2>' in html
-    for table, columns in (("gateways", 15), ("routed", 7)):
-        markup = html.split(f'<table id="{table}"')[1].split("</table>")[0]
+    markups = {}
+    for table, columns in (("gateways", 13), ("pd-gateways", 10), ("routed", 8)):
+        markup = markups[table] = html.split(f'<table id="{table}"')[1].split("</table>")[0]
         assert markup.count('<th scope="col"') == columns
         assert '<caption class="visually-hidden">' in markup
     assert 'id="gateways-empty"' in html  # until a frame says there are gateways
+    # Prefill/decode disaggregation is hidden until a frame has a gateway that served it: its
+    # table, and the pods' prefill columns (hidden by the stylesheet while the table is not .with-pd).
+    assert '<div id="pd-part" hidden>' in html
+    assert 'id="routed-pd-note" class="muted" hidden' in html
+    assert markups["routed"].count('class="num pd-only"') == 2
 
 
 def test_the_pod_page_names_the_pod_even_before_it_is_registered(staff_client):

@@ -5,8 +5,10 @@
  * span), then a "frame" every push interval, with the points recorded since ("chart"); choosing
  * another span asks for its history. The fleet page keeps one table row per pod and updates its
  * cells in place, so 200 pods cost a few thousand text updates a second at most; sorting and
- * filtering only reorder or hide existing rows. Charts are uPlot (node_modules/uplot, served by
- * the project itself); their legends show the latest values until the cursor points elsewhere.
+ * filtering only reorder or hide existing rows. The gateways' tables are keyed rows too; their
+ * prefill/decode disaggregation part (a table, the pods' prefill columns) shows only once a
+ * gateway has served P/D. Charts are uPlot (node_modules/uplot, served by the project itself);
+ * their legends show the latest values until the cursor points elsewhere.
  */
 (function () {
   "use strict";
@@ -237,9 +239,9 @@
   }
 
   /* A table body whose rows are keyed (a gateway; a gateway's pod) and whose cells are updated
-     in place. columns: [{key, num?, text(d)?, render(cell, d)?, bad(d)?}], the first a row
-     heading; mark(tr, d) names a new row (data attributes). update([{key, data}]) puts the rows
-     in that order and drops rows not given. */
+     in place. columns: [{key, num?, className?, text(d)?, render(cell, d)?, bad(d)?}], the first a
+     row heading; mark(tr, d) names a new row (data attributes). update([{key, data}]) puts the
+     rows in that order and drops rows not given. */
   class KeyedRows {
     constructor(tbody, columns, mark) {
       this.tbody = tbody;
@@ -256,7 +258,8 @@
         const cell = document.createElement(i === 0 ? "th" : "td");
         if (i === 0) cell.scope = "row";
         cell.dataset.col = col.key;
-        if (col.num) cell.className = "num";
+        if (col.num) cell.classList.add("num");
+        if (col.className) cell.classList.add(col.className);
         tr.append(cell);
         cells[col.key] = cell;
       });
@@ -367,24 +370,32 @@
       text: (g) => fmt.int(g.score_failures) + (g.score_failures ? ` (${fmt.counts(g.score_failures_by_reason)})` : ""),
       bad: (g) => g.score_failures > 0,
     },
-    // Prefill/decode disaggregation: a dash for a gateway that served no P/D request.
+  ];
+
+  // A gateway that served prefill/decode disaggregation (its row's "pd", gateway_row's _pd).
+  const PD_COLUMNS = [
+    { key: "url", text: (g) => g.url },
+    { key: "disaggregated", num: true, text: (g) => fmt.int(g.pd.decisions.disaggregated ?? 0) },
+    { key: "disaggregated_per_s", num: true, text: (g) => fmt.rate(g.pd.decisions_per_s.disaggregated) },
+    { key: "short_prompt", num: true, text: (g) => fmt.int(g.pd.decisions.short_prompt ?? 0) },
+    { key: "short_prompt_per_s", num: true, text: (g) => fmt.rate(g.pd.decisions_per_s.short_prompt) },
+    { key: "fallback", num: true, text: (g) => fmt.int(g.pd.decisions.fallback ?? 0) },
     {
-      key: "pd",
-      text: (g) => {
-        if (!g.pd) return DASH;
-        const fallbacks = fmt.counts(g.pd.fallbacks_by_reason);
-        return fmt.counts(g.pd.decisions) + (Object.keys(g.pd.fallbacks_by_reason).length ? ` (${fallbacks})` : "");
-      },
-      bad: (g) => !!g.pd && g.pd.decisions.fallback > 0,
+      key: "fallback_per_s",
+      num: true,
+      text: (g) => fmt.fineRate(g.pd.decisions_per_s.fallback),
+      bad: (g) => g.pd.decisions_per_s.fallback > 0,
+    },
+    { key: "fallbacks_by_reason", text: (g) => fmt.counts(g.pd.fallbacks_by_reason) },
+    {
+      key: "prefill_p50",
+      num: true,
+      text: (g) => `${fmt.seconds(g.pd.prefill_p50)} (${fmt.seconds(g.pd.prefill_p50_overall)})`,
     },
     {
-      key: "pd_steps",
+      key: "transfer_p50",
       num: true,
-      text: (g) =>
-        g.pd
-          ? `${fmt.quantiles(g.pd.prefill_p50, g.pd.transfer_p50)} ` +
-            `(${fmt.quantiles(g.pd.prefill_p50_overall, g.pd.transfer_p50_overall)})`
-          : DASH,
+      text: (g) => `${fmt.seconds(g.pd.transfer_p50)} (${fmt.seconds(g.pd.transfer_p50_overall)})`,
     },
   ];
 
@@ -407,15 +418,20 @@
     { key: "share", num: true, text: (d) => fmt.percent(d.share) },
     { key: "requests_per_s", num: true, text: (d) => fmt.rate(d.requests_per_s) },
     { key: "not_ok", num: true, text: (d) => fmt.int(d.not_ok), bad: (d) => d.not_ok > 0 },
+    // A prefill pod's steps (a dash for a pod sent none), those not ok by outcome; a failure is
+    // bad, a refusal is the client's request refused.
     {
       key: "prefills",
       num: true,
+      className: "pd-only",
       text: (d) =>
         d.prefills == null
           ? DASH
-          : fmt.int(d.prefills) + (d.prefill_failures ? ` (${fmt.int(d.prefill_failures)} failed)` : ""),
-      bad: (d) => d.prefill_failures > 0,
+          : fmt.int(d.prefills) +
+            (Object.keys(d.prefills_not_ok).length ? ` (${fmt.counts(d.prefills_not_ok)})` : ""),
+      bad: (d) => Object.keys(d.prefills_not_ok || {}).some((outcome) => outcome !== "refused"),
     },
+    { key: "prefills_per_s", num: true, className: "pd-only", text: (d) => fmt.rate(d.prefills_per_s) },
   ];
 
   function gatewaySection() {
@@ -426,8 +442,14 @@
       tr.dataset.gateway = d.gateway;
       tr.dataset.pod = d.pod;
     });
+    const pd = new KeyedRows(document.getElementById("pd-gateways").tBodies[0], PD_COLUMNS, (tr, g) => {
+      tr.dataset.gateway = g.url;
+    });
     const gatewaysEmpty = document.getElementById("gateways-empty");
     const routedEmpty = document.getElementById("routed-empty");
+    const pdPart = document.getElementById("pd-part");
+    const routedTable = document.getElementById("routed");
+    const routedPdNote = document.getElementById("routed-pd-note");
     const windowText = document.getElementById("gateway-window");
 
     return function show(rows) {
@@ -438,6 +460,12 @@
       routed.update(decisions);
       gatewaysEmpty.hidden = rows.length > 0;
       routedEmpty.hidden = decisions.length > 0;
+      // The P/D part only once a gateway served P/D: no clutter for a fleet without it.
+      const disaggregating = rows.filter((g) => g.pd);
+      pd.update(disaggregating.map((g) => ({ key: g.url, data: g })));
+      pdPart.hidden = disaggregating.length === 0;
+      routedTable.classList.toggle("with-pd", disaggregating.length > 0);
+      routedPdNote.hidden = disaggregating.length === 0;
       // The window grows to a minute from when this server first served a dashboard.
       const seconds = Math.max(0, ...rows.map((g) => g.window_seconds || 0));
       setText(windowText, seconds && seconds < 55 ? `last ${Math.round(seconds)} s` : "last minute");
