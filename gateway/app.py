@@ -272,7 +272,9 @@ class GatewayApp:
                     metrics.RETRIES.labels(policy, problems[-1][0]).inc()
                 pod = candidate.pod
                 prefill = 0 if prefilled else max(0, len(keys) - candidate.matched)
-                dispatch = self.load.start(pod, prefill_blocks=prefill, learn=decision.streamed)
+                # A decode step's first bytes mark a KV pull, not a prefill: nothing to learn from.
+                learn = decision.streamed and not prefilled
+                dispatch = self.load.start(pod, prefill_blocks=prefill, learn=learn)
                 try:
                     sent = time.perf_counter()
                     try:
