@@ -185,6 +185,7 @@ class Pod(models.Model):
         max_length=8,
         choices=[(role, role) for role in POD_ROLES],
         default="both",
+        db_default="both",  # a row written without it (an older process, a raw insert): whole requests
         help_text="What the pod is for under prefill/decode disaggregation: prefill (it computes "
         "prompts and hands their KV cache on), decode (it takes handed-on KV caches and generates), "
         "or both (it serves whole requests). A model whose live pods include prefill and decode "
