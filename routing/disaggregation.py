@@ -51,6 +51,8 @@ def sides(pods: Mapping[str, str], roles: Mapping[str, str]) -> Sides | None:
     """The two sides of ``pods`` (pod -> address) by their ``roles``; ``None`` when they are not
     both there (every pod then serves whole requests: a vLLM pod with a NixlConnector serves a
     request without ``kv_transfer_params`` as any other)."""
+    if not roles:  # the usual fleet: nothing to look at, every request
+        return None
     prefill = {pod: address for pod, address in pods.items() if roles.get(pod) == PREFILL}
     if not prefill or len(prefill) == len(pods):
         return None
